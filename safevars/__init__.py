@@ -1,0 +1,45 @@
+"""safevars: TensorFlow variables that are safe to share between threads, graphs and replicas."""
+
+from safevars.errors import (
+    AccumulatorTimeoutError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    LockOrderError,
+    LockReentryError,
+    NonFiniteGradientError,
+    NotCallableError,
+    RaceDetectedError,
+    SafeVarsError,
+    ShapeMismatchError,
+    StaleGradientError,
+    UnsupportedStrategyError,
+)
+from safevars.locking import LockStatistics
+from safevars.snapshot import Snapshot, snapshot
+from safevars.transaction import locked, transaction
+from safevars.variable import SafeVariable, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulatorTimeoutError",
+    "DTypeMismatchError",
+    "InvalidArgumentError",
+    "LockOrderError",
+    "LockReentryError",
+    "LockStatistics",
+    "NonFiniteGradientError",
+    "NotCallableError",
+    "RaceDetectedError",
+    "SafeVarsError",
+    "SafeVariable",
+    "ShapeMismatchError",
+    "Snapshot",
+    "StaleGradientError",
+    "UnsupportedStrategyError",
+    "__version__",
+    "locked",
+    "snapshot",
+    "transaction",
+    "wrap",
+]

@@ -1,0 +1,417 @@
+"""Per-variable locks, versions and the global lock order.
+
+Every :class:`~safevars.SafeVariable` owns one :class:`Guard`. A guard is the single
+place that decides *how* a critical section over some variables is entered, so eager
+code, ``tf.function`` graphs and multi-variable transactions all share one mechanism.
+
+Two lock levels, one order:
+
+* **Eager (trace-free) level.** A ``threading.Lock`` per variable, re-entrant for the
+  thread that holds it (an owner and a depth), plus a *sequence number* that is odd while
+  a critical section is open. Optimistic snapshot readers (see :mod:`safevars.snapshot`)
+  read the sequence numbers before and after reading values and retry on a change, so
+  readers never wait for one another. Versions live in a Python ``int``: a write costs
+  one uncontended ``Lock.acquire``, not an extra TensorFlow op.
+* **Run-time level.** A ``tf.CriticalSection`` placed on the variable's device. It is
+  created the first time the variable is written (or versioned, or snapshotted) inside a
+  ``tf.function``; from then on the guard is in *run-time mode*: graph writes execute
+  inside the critical section, eager writes take the same mutex with the ``MutexLock``
+  op, and the version lives in an int64 resource variable next to the value. A Python
+  lock cannot order graph execution; the mutex does, across threads, ``tf.function``
+  calls and parameter-server workers.
+
+Guards are ordered by creation (:attr:`Guard.order`). Sections that name several
+variables take their locks in that order, which rules out deadlock. A thread that holds
+some locks may take more only in increasing order; anything else raises
+:class:`~safevars.LockOrderError` *before* taking any lock.
+
+NOTES:
+  Calling a ``tf.function`` that writes ``v`` from inside ``safevars.locked(v)`` once
+  ``v`` is in run-time mode would wait on a mutex the caller holds, exactly as nesting
+  ``tf.CriticalSection.execute`` would. safevars detects it when the function is traced
+  inside the section (raising :class:`~safevars.LockReentryError`) but cannot see a
+  function traced elsewhere and merely called inside the section: do not do that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
+
+from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
+from safevars.errors import LockOrderError, LockReentryError
+
+__all__ = ["Guard", "LockStatistics", "hold", "graph_section", "held_in_graph"]
+
+_ORDER = itertools.count()
+_local = threading.local()
+
+
+def _held() -> list[Guard]:
+    """Guards the calling thread holds eagerly, in acquisition order."""
+    try:
+        return _local.held
+    except AttributeError:
+        _local.held = []
+        return _local.held
+
+
+def _graph_held() -> list[tuple[Any, frozenset[Guard], list[Any]]]:
+    """Stack of (graph, guards, write-ops) for transactions being traced by this thread."""
+    try:
+        return _local.graph_held
+    except AttributeError:
+        _local.graph_held = []
+        return _local.graph_held
+
+
+class LockStatistics(NamedTuple):
+    """A frozen record of one guard's state, for debugging (see ``SafeVariable.statistics``).
+
+    Attributes:
+      order: Position in the global lock order.
+      locked: Whether some thread holds the eager lock right now.
+      owner: ``threading.get_ident()`` of that thread, or ``None``.
+      depth: How many times the owner has entered (re-entrant depth).
+      runtime_mode: Whether writes go through a ``tf.CriticalSection`` (set once the
+        variable was written, versioned or snapshotted inside a ``tf.function``).
+      writes: Completed writes recorded eagerly since construction or restore.
+    """
+
+    order: int
+    locked: bool
+    owner: int | None
+    depth: int
+    runtime_mode: bool
+    writes: int
+
+
+class _VersionVariable(resource_variable_ops.ResourceVariable):
+    """The int64 resource variable that holds a guard's version in checkpoints and graphs.
+
+    It tells its guard when a checkpoint restores it, so the eager version follows.
+    """
+
+    _safevars_guard: Guard | None = None
+
+    def _restore_from_tensors(self, restored_tensors):  # noqa: D401 - TF override
+        result = super()._restore_from_tensors(restored_tensors)
+        guard = self._safevars_guard
+        if guard is not None and tf.executing_eagerly():
+            guard._after_version_restore()
+        return result
+
+
+class Guard:
+    """Synchronization state of one variable: lock, sequence number and version.
+
+    Ownership: the eager lock belongs to one thread at a time and is re-entrant for it.
+    A guard never holds a reference that keeps its variable alive beyond the variable's
+    own lifetime: the variable (or its proxy) owns the guard, not the other way round.
+
+    Thread safety: every mutable field is changed only by the thread that holds
+    ``_mutex``; ``seq`` and ``_version`` are read without it by optimistic readers, which
+    re-validate.
+    """
+
+    __slots__ = (
+        "order",
+        "name",
+        "device",
+        "_mutex",
+        "_owner",
+        "_depth",
+        "_token",
+        "seq",
+        "_version",
+        "_writes",
+        "runtime",
+        "cs",
+        "version_var",
+        "__weakref__",
+    )
+
+    def __init__(self, variable: tf.Variable, version: int = 0) -> None:
+        self.order = next(_ORDER)
+        self.name = getattr(variable, "name", "variable")
+        self.device = getattr(variable, "device", "")
+        self._mutex = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+        self._token: Any = None
+        self.seq = 0
+        self._version = int(version)
+        self._writes = 0
+        self.runtime = False
+        self.cs: tf.CriticalSection | None = None
+        with tf.init_scope(), tf.device(self.device):
+            self.version_var = _VersionVariable(
+                initial_value=tf.constant(self._version, tf.int64),
+                trainable=False,
+                name=self.name.split(":")[0] + "_safevars_version",
+                shape=(),
+            )
+        self.version_var._safevars_guard = self
+
+    # ------------------------------------------------------------------ eager locking
+
+    def owned(self) -> bool:
+        """Whether the calling thread holds this guard's eager lock."""
+        return self._owner == threading.get_ident()
+
+    def _enter_new(self, me: int) -> None:
+        """Takes the lock for ``me`` (which does not hold it); caller checked the order."""
+        self._mutex.acquire()
+        try:
+            self._owner = me
+            self._depth = 1
+            self.seq += 1
+            if self.runtime:
+                self._token = gen_resource_variable_ops.mutex_lock(self.cs._handle)
+        except BaseException:
+            self._owner = None
+            self._depth = 0
+            self.seq += 1
+            self._mutex.release()
+            raise
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._token = None  # Deleting the MutexLock tensor releases the TF mutex.
+            self.seq += 1
+            self._owner = None
+            self._mutex.release()
+
+    # ------------------------------------------------------------------ versions
+
+    def version(self) -> int | tf.Tensor:
+        """The version: an ``int`` eagerly, an int64 tensor while tracing a graph."""
+        if not tf.executing_eagerly():
+            self.ensure_runtime()
+            return self.version_var.read_value()
+        if self.runtime:
+            return int(self.version_var.numpy())
+        return self._version
+
+    def bump_eager(self) -> None:
+        """Records one completed eager write; the caller holds the lock."""
+        self._writes += 1
+        if self.runtime:
+            self.version_var.assign_add(1, read_value=False)
+        else:
+            self._version += 1
+
+    def bump_graph(self, after: Any) -> Any:
+        """Graph op adding 1 to the version once ``after`` has run."""
+        with tf.control_dependencies([after] if after is not None else []):
+            return self.version_var.assign_add(1, read_value=False)
+
+    def sync_version_var(self) -> None:
+        """Copies the eager version into the version variable (before a checkpoint)."""
+        if self.runtime or not tf.executing_eagerly():
+            return
+        with hold([self]):
+            self.version_var.assign(self._version, read_value=False)
+
+    def set_version(self, version: int) -> None:
+        """Sets the version (deepcopy, restore); the caller holds the lock."""
+        self._version = int(version)
+        self.version_var.assign(self._version, read_value=False)
+
+    def _after_version_restore(self) -> None:
+        with hold([self]):
+            self._version = int(self.version_var.numpy())
+
+    # ------------------------------------------------------------------ run-time mode
+
+    def ensure_runtime(self) -> None:
+        """Switches to run-time mode (idempotent). Called when tracing a graph."""
+        if self.runtime:
+            return
+        if self.owned():
+            raise LockReentryError(
+                f"A tf.function that writes, versions or snapshots {self.name!r} is being "
+                "traced while this thread holds that variable's lock (inside "
+                "safevars.locked or safevars.transaction). Running it there would wait "
+                "on the lock its caller holds. Trace and call the function outside the "
+                "locked block, or put the whole step inside safevars.transaction([...], "
+                "fn) within the tf.function."
+            )
+        with tf.init_scope():
+            with self._mutex:
+                if self.runtime:
+                    return
+                with tf.device(self.device):
+                    # A unique shared_name: CriticalSection defaults it to the name,
+                    # and two variables named alike would share (and deadlock) a mutex.
+                    self.cs = tf.CriticalSection(
+                        name=self.name.split(":")[0] + "_safevars_lock",
+                        shared_name=f"safevars_lock_{uuid.uuid4().hex}",
+                    )
+                self.version_var.assign(self._version, read_value=False)
+                self.runtime = True
+
+    def statistics(self) -> LockStatistics:
+        owner = self._owner
+        return LockStatistics(
+            order=self.order,
+            locked=self._mutex.locked(),
+            owner=owner,
+            depth=self._depth if owner is not None else 0,
+            runtime_mode=self.runtime,
+            writes=self._writes,
+        )
+
+
+def _sorted_unique(guards: Iterable[Guard]) -> list[Guard]:
+    return sorted({id(g): g for g in guards}.values(), key=lambda g: g.order)
+
+
+class hold:  # noqa: N801 - used like a function: ``with hold(guards):``
+    """Context manager holding the eager locks of ``guards`` (global order, re-entrant).
+
+    Raises :class:`LockOrderError` before taking anything if the calling thread already
+    holds a lock that sorts after one it would newly take.
+    """
+
+    __slots__ = ("_guards", "_taken")
+
+    def __init__(self, guards: Iterable[Guard]) -> None:
+        self._guards = _sorted_unique(guards)
+        self._taken: list[Guard] = []
+
+    def __enter__(self) -> hold:
+        me = threading.get_ident()
+        held = _held()
+        new = [g for g in self._guards if g._owner != me]
+        if new and held:
+            top = max(held, key=lambda g: g.order)
+            if new[0].order < top.order:
+                raise LockOrderError(
+                    f"This thread holds the lock of {top.name!r} and tried to take the "
+                    f"lock of {new[0].name!r}, which comes earlier in safevars' global "
+                    "lock order; that could deadlock. Name every variable up front: "
+                    "safevars.locked(a, b, ...) or safevars.transaction([a, b, ...], fn)."
+                )
+        taken = self._taken
+        try:
+            for g in self._guards:
+                if g._owner == me:
+                    g._depth += 1
+                else:
+                    g._enter_new(me)
+                    held.append(g)
+                taken.append(g)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _release(self) -> None:
+        held = _held()
+        for g in reversed(self._taken):
+            last = g._depth == 1
+            g._exit()
+            if last:
+                held.remove(g)
+        self._taken = []
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+
+# ---------------------------------------------------------------------- graph sections
+
+
+def held_in_graph(guard: Guard) -> list[Any] | None:
+    """The write-op list of the transaction being traced that holds ``guard``, if any.
+
+    A write traced inside ``safevars.transaction`` (in the transaction's own graph or a
+    ``tf.cond``/``tf.while_loop`` body nested in it) runs inside the transaction's
+    critical sections, so it must not lock again.
+    """
+    stack = _graph_held()
+    if not stack:
+        return None
+    graph = ops.get_default_graph()
+    for txn_graph, guards, writes in reversed(stack):
+        if guard in guards:
+            g = graph
+            while g is not None:
+                if g is txn_graph:
+                    return writes
+                g = getattr(g, "outer_graph", None)
+    return None
+
+
+def graph_section(guards: Sequence[Guard], fn: Callable[[], Any]) -> Any:
+    """Traces ``fn`` inside the critical sections of ``guards`` (global order).
+
+    Returns ``fn()``'s result, made to depend on the release of every lock. The locks are
+    released only after every op ``fn`` created has run (not only its outputs, which is
+    all ``tf.CriticalSection.execute`` waits for).
+    """
+    ordered = _sorted_unique(guards)
+    for g in ordered:
+        g.ensure_runtime()
+    graph = ops.get_default_graph()
+    new = [g for g in ordered if held_in_graph(g) is None]
+    if not new:
+        return fn()
+    writes: list[Any] = []
+    stack = _graph_held()
+
+    def innermost() -> Any:
+        existing = set(graph.get_operations())
+        stack.append((graph, frozenset(ordered), writes))
+        try:
+            result = fn()
+        finally:
+            stack.pop()
+        created = [op for op in graph.get_operations() if op not in existing]
+        with tf.control_dependencies(created):
+            done = tf.constant(True)
+        leaves = tf.nest.flatten(result)
+        tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
+        return (tensors, done), (result, leaves)
+
+    packed: list[Any] = []
+
+    def outputs_only() -> Any:
+        outputs, python_side = innermost()
+        packed.append(python_side)
+        return outputs
+
+    body: Callable[[], Any] = outputs_only
+    for g in reversed(new):
+        body = _nest(g, body)
+    try:
+        tensors, _ = body()
+    except ValueError as e:
+        if "already running" in str(e):
+            raise LockReentryError(
+                "A safevars critical section was entered again from inside itself in a "
+                "tf.function (for instance by calling, inside safevars.transaction, a "
+                "nested tf.function traced elsewhere that locks the same variable). Write "
+                "the variables directly inside the transaction instead."
+            ) from e
+        raise
+    result, leaves = packed[0]
+    released = iter(tensors)
+    leaves = [next(released) if isinstance(x, tf.Tensor) else x for x in leaves]
+    return tf.nest.pack_sequence_as(result, leaves)
+
+
+def _nest(guard: Guard, body: Callable[[], Any]) -> Callable[[], Any]:
+    def locked_body() -> Any:
+        return guard.cs.execute(body, exclusive_resource_access=False)
+
+    return locked_body

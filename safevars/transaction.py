@@ -1,0 +1,121 @@
+"""Critical sections over several SafeVariables: ``locked`` and ``transaction``.
+
+Both take the variables' locks in the global order (deadlock-free) and are re-entrant
+for the thread that holds them; writes made inside through the variables' own methods
+do not lock again but still count one version each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import tensorflow as tf
+
+from safevars.errors import InvalidArgumentError, NotCallableError
+from safevars.locking import Guard, graph_section, hold
+from safevars.snapshot import _guards_of
+
+__all__ = ["locked", "transaction"]
+
+T = TypeVar("T")
+
+
+def _variables_argument(variables: Any, argument: str) -> list[Any]:
+    if not isinstance(variables, (list, tuple)):
+        variables = [variables]
+    variables = list(variables)
+    if not variables:
+        raise InvalidArgumentError(
+            f"{argument} must name at least one SafeVariable, got an empty sequence."
+        )
+    return variables
+
+
+@contextlib.contextmanager
+def locked(*variables: Any) -> Iterator[None]:
+    """Holds the locks of ``variables`` for a multi-statement critical section (eager).
+
+    Example::
+
+        with safevars.locked(v):
+            v.assign(v.read_value() + 1)   # no lost update
+
+    Args:
+      *variables: SafeVariables, in any order (they are locked in the global order).
+
+    Raises:
+      InvalidArgumentError: no variable, or one that is not a SafeVariable.
+      LockOrderError: the thread already holds a lock that sorts after one of these.
+      RuntimeError (InvalidArgumentError): used while tracing a ``tf.function``, where a
+        Python lock would only guard tracing; use :func:`transaction` there.
+
+    Thread safety: no other safevars write, transaction or snapshot of these variables
+    runs while the block runs. Re-entrant for the holding thread. Writes made inside the
+    block stay made if the block raises (use :func:`transaction` for all-or-nothing).
+
+    Modes: eager only. In run-time mode (a variable written inside a ``tf.function``)
+    the block also holds the variables' ``tf.CriticalSection`` mutexes, so running graphs
+    wait for it.
+    """
+    if not tf.executing_eagerly():
+        raise InvalidArgumentError(
+            "safevars.locked() is for eager code: inside a tf.function a Python lock only "
+            "guards tracing, not execution. Use safevars.transaction(variables, fn) there."
+        )
+    guards = _guards_of(_variables_argument(list(variables), "variables"), "variables")
+    with hold(guards):
+        yield
+
+
+def transaction(variables: Sequence[Any], fn: Callable[[], T]) -> T:
+    """Runs ``fn()`` atomically over ``variables``, eagerly or inside a ``tf.function``.
+
+    Args:
+      variables: A SafeVariable or a list/tuple of them: every variable ``fn`` writes.
+      fn: A callable with no arguments. It reads and writes the variables through their
+        methods (``assign``, ``update``, ``snapshot``...).
+
+    Returns:
+      Whatever ``fn`` returns (in a graph, its tensors are ordered after the locks are
+      released, so they reflect the finished transaction).
+
+    Raises:
+      InvalidArgumentError: ``variables`` is empty or holds something else.
+      NotCallableError: ``fn`` is not callable.
+      LockOrderError: the thread already holds a lock that sorts after one of these.
+      Exception: whatever ``fn`` raises eagerly propagates unchanged, after every
+        variable's value and version are rolled back to what they were before ``fn``.
+
+    Thread safety: ``fn`` runs while no other safevars operation touches any of the
+    variables; :func:`safevars.snapshot` sees all of its writes or none.
+
+    Modes: eagerly, the variables' locks are held around ``fn`` and an exception rolls
+    the writes back. In a ``tf.function``, ``fn`` is traced inside the variables'
+    ``tf.CriticalSection`` s (nested in the global order) and the locks are released only
+    after every op it created has run; a run-time error inside the graph does not roll
+    back.
+    """
+    variables = _variables_argument(variables, "variables")
+    guards = _guards_of(variables, "variables")
+    if not callable(fn):
+        raise NotCallableError(
+            f"transaction(variables, fn) needs a callable with no arguments, got {fn!r}."
+        )
+    if not tf.executing_eagerly():
+        return graph_section(guards, fn)
+    with hold(guards):
+        saved = [(v.__wrapped__.read_value(), g.version()) for v, g in zip(variables, guards)]
+        try:
+            return fn()
+        except BaseException:
+            _roll_back(variables, guards, saved)
+            raise
+
+
+def _roll_back(variables: list[Any], guards: list[Guard], saved: list[Any]) -> None:
+    for variable, guard, (value, version) in zip(variables, guards, saved):
+        if guard.version() != version:
+            variable.__wrapped__.assign(value, read_value=False)
+            guard.set_version(version)
