@@ -1,0 +1,70 @@
+"""The contract between the benchmark runner and the case families.
+
+Each family lives in ``benchmarks/bench_<family>.py`` and defines::
+
+    FAMILY = "eager"                       # the name --cases selects
+    DESCRIPTION = "one line for the table"
+    def cases(ctx: Context) -> list[Case]: ...
+
+A :class:`Case` holds *variants*: zero-argument callables doing one unit of work. The
+first variant is the baseline (plain ``tf.Variable`` or the stock TensorFlow/Keras way);
+the runner warms every variant up, then times them A/B interleaved in the same process
+over several rounds and reports per-variant median/min/max and the ratio of medians to
+the baseline. A variant may return a ``dict`` of extra figures (for example
+``{"lost_updates": 12}``); the runner records the value from the last round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a family needs to build its cases.
+
+    Attributes:
+      quick: ``--quick``: smaller sizes and fewer rounds (the whole suite < 45 s on CPU).
+      device: TensorFlow device string every variable must be placed on ("/CPU:0",
+        "/GPU:0"); build variables inside ``with tf.device(ctx.device):``.
+      device_kind: "cpu" or "gpu".
+      sizes: element counts for size-parametrized cases (e.g. (1, 1_000, 1_000_000)).
+      threads: thread counts for contention cases (e.g. (1, 2, 4, 8)).
+    """
+
+    quick: bool
+    device: str
+    device_kind: str
+    sizes: tuple[int, ...]
+    threads: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Case:
+    """One comparison: variants timed side by side, the first one the baseline.
+
+    Attributes:
+      family: The family name (``FAMILY`` of the module).
+      name: Case name, unique in the family, e.g. "assign_add/1K".
+      variants: Ordered mapping of variant name to a zero-argument callable doing
+        ``ops_per_call`` units of work. The first entry is the baseline.
+      ops_per_call: Units of work per call (to report per-op time and throughput).
+      sync: Callable run after each timed call on a GPU, to wait for the device
+        (default: nothing; variants should return a tensor-free result or call
+        ``.numpy()`` themselves when timing matters).
+      params: Free-form parameters recorded in the JSON (size, threads, ...).
+      goal: Optional ``(variant, max_ratio)``: the issue's performance goal for that
+        variant over the baseline; the report says whether the median met it.
+      teardown: Optional callable run once after the case was measured.
+    """
+
+    family: str
+    name: str
+    variants: dict[str, Callable[[], Any]]
+    ops_per_call: int = 1
+    sync: Callable[[], Any] | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    goal: tuple[str, float] | None = None
+    teardown: Callable[[], Any] | None = None
