@@ -135,6 +135,7 @@ class Guard:
         "runtime",
         "cs",
         "version_var",
+        "graph_uses",
         "__weakref__",
     )
 
@@ -151,6 +152,7 @@ class Guard:
         self._writes = 0
         self.runtime = False
         self.cs: tf.CriticalSection | None = None
+        self.graph_uses = 0
         with tf.init_scope(), tf.device(self.device):
             self.version_var = _VersionVariable(
                 initial_value=tf.constant(self._version, tf.int64),
@@ -196,6 +198,7 @@ class Guard:
         """The version: an ``int`` eagerly, an int64 tensor while tracing a graph."""
         if not tf.executing_eagerly():
             self.ensure_runtime()
+            self.graph_uses += 1
             return self.version_var.read_value()
         if self.runtime:
             return int(self.version_var.numpy())
@@ -232,10 +235,14 @@ class Guard:
 
     # ------------------------------------------------------------------ run-time mode
 
-    def ensure_runtime(self) -> None:
-        """Switches to run-time mode (idempotent). Called when tracing a graph."""
+    def ensure_runtime(self) -> bool:
+        """Switches to run-time mode (idempotent). Called when tracing a graph.
+
+        Returns:
+          Whether this call made the switch (so a failed trace can undo it).
+        """
         if self.runtime:
-            return
+            return False
         if self.owned():
             raise LockReentryError(
                 f"A tf.function that writes, versions or snapshots {self.name!r} is being "
@@ -248,7 +255,7 @@ class Guard:
         with tf.init_scope():
             with self._mutex:
                 if self.runtime:
-                    return
+                    return False
                 with tf.device(self.device):
                     # A unique shared_name: CriticalSection defaults it to the name,
                     # and two variables named alike would share (and deadlock) a mutex.
@@ -258,6 +265,14 @@ class Guard:
                     )
                 self.version_var.assign(self._version, read_value=False)
                 self.runtime = True
+        return True
+
+    def undo_runtime(self) -> None:
+        """Leaves run-time mode again if no traced graph uses the critical section yet."""
+        with tf.init_scope(), self._mutex:
+            if self.runtime and self.graph_uses == 0:
+                self.runtime = False
+                self.cs = None
 
     def statistics(self) -> LockStatistics:
         owner = self._owner
@@ -360,8 +375,19 @@ def graph_section(guards: Sequence[Guard], fn: Callable[[], Any]) -> Any:
     all ``tf.CriticalSection.execute`` waits for).
     """
     ordered = _sorted_unique(guards)
+    switched = [g for g in ordered if g.ensure_runtime()]
+    try:
+        result = _traced_section(ordered, fn)
+    except BaseException:
+        for g in switched:  # A failed trace changes nothing, not even the lock mode.
+            g.undo_runtime()
+        raise
     for g in ordered:
-        g.ensure_runtime()
+        g.graph_uses += 1
+    return result
+
+
+def _traced_section(ordered: list[Guard], fn: Callable[[], Any]) -> Any:
     graph = ops.get_default_graph()
     new = [g for g in ordered if held_in_graph(g) is None]
     if not new:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import wrapt
+from tensorflow.python.framework import tensor_conversion_registry
 from tensorflow.python.ops import tensor_getitem_override
 from tensorflow.python.util import object_identity
 
@@ -462,6 +463,19 @@ for _method in _SCATTER_METHODS:
 
     setattr(SafeVariable, _method, _make(_method))
 del _method
+
+
+def _to_tensor(
+    value: SafeVariable, dtype: tf.DType | None = None, name: str | None = None,
+    as_ref: bool = False,
+) -> tf.Tensor:
+    # TensorFlow looks conversion functions up by type(value); the proxy's type is not a
+    # tf.Variable subclass, so it needs its own entry (a read of the wrapped variable,
+    # recorded on gradient tapes like any variable read).
+    return value.__wrapped__._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+
+
+tensor_conversion_registry.register_tensor_conversion_function(SafeVariable, _to_tensor)
 
 
 def wrap(variable: tf.Variable | Any) -> SafeVariable:

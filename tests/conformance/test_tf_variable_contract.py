@@ -1,0 +1,159 @@
+"""The tf.Variable contract: a SafeVariable passes wherever a tf.Variable is expected.
+
+Parametrized over every way of getting one (``SafeVariable(...)`` and ``wrap(tf.Variable)``)
+and, where it applies, run eagerly and under ``tf.function`` (the ``mode`` fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import safevars
+
+FACTORIES = {
+    "SafeVariable": lambda value, **kw: safevars.SafeVariable(value, **kw),
+    "wrap": lambda value, **kw: safevars.wrap(tf.Variable(value, **kw)),
+}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def make(request):
+    return FACTORIES[request.param]
+
+
+def test_isinstance_and_attributes(make):
+    v = make([1.0, 2.0], name="w", trainable=True)
+    assert isinstance(v, tf.Variable)
+    assert v.dtype == tf.float32 and v.shape == (2,) and v.name == "w:0"
+    assert v.trainable and v.ref().deref() is v
+    assert {v.ref(): 1}[v.ref()] == 1
+    assert "safevars.SafeVariable" in repr(v)
+
+
+def test_convert_operators_and_slicing(make, mode):
+    v = make([[1.0, 2.0], [3.0, 4.0]])
+
+    def compute():
+        t = tf.convert_to_tensor(v)
+        return (t, v + 1.0, 2.0 * v, v @ v, -v, v[1, 0], v[:, 1], tf.reduce_sum(v))
+
+    t, plus, times, matmul, neg, item, column, total = mode(compute)()
+    np.testing.assert_array_equal(t, [[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(plus, [[2.0, 3.0], [4.0, 5.0]])
+    np.testing.assert_array_equal(times, [[2.0, 4.0], [6.0, 8.0]])
+    np.testing.assert_array_equal(matmul, [[7.0, 10.0], [15.0, 22.0]])
+    np.testing.assert_array_equal(neg, [[-1.0, -2.0], [-3.0, -4.0]])
+    assert float(item) == 3.0 and float(total) == 10.0
+    np.testing.assert_array_equal(column, [2.0, 4.0])
+
+
+def test_slice_assignment_is_locked_and_counted(make, mode):
+    v = make([1.0, 2.0, 3.0])
+    mode(lambda: v[1:].assign([5.0, 6.0]))()
+    np.testing.assert_array_equal(v.numpy(), [1.0, 5.0, 6.0])
+    assert v.version == 1
+
+
+def test_gradient_tape(make, mode):
+    v = make(3.0)
+
+    def grads():
+        with tf.GradientTape(persistent=True) as tape:
+            y = v * v
+            tape.watch(v)
+            z = 2.0 * v
+        return tape.gradient(y, v), tape.gradient(z, v)
+
+    dy, dz = mode(grads)()
+    assert float(dy) == 6.0 and float(dz) == 2.0
+
+
+def test_captured_in_tf_function(make):
+    v = make(1.0)
+
+    @tf.function
+    def step(x):
+        v.assign_add(x)
+        return v.read_value()
+
+    assert float(step(tf.constant(2.0))) == 3.0
+    assert float(step(tf.constant(2.0))) == 5.0
+    assert v.version == 2
+
+
+def test_checkpoint_restores_value_and_version(make, tmp_path, mode):
+    v = make([1.0, 2.0])
+    mode(lambda: v.assign_add([1.0, 1.0]))()
+    mode(lambda: v.assign_add([1.0, 1.0]))()
+    ckpt = tf.train.Checkpoint(v=v)
+    path = ckpt.save(os.fspath(tmp_path / "ckpt"))
+    v.assign([9.0, 9.0])
+    assert v.version == 3
+    ckpt.restore(path).assert_consumed()
+    np.testing.assert_array_equal(v.numpy(), [3.0, 4.0])
+    assert v.version == 2
+    # A fresh variable restores both too.
+    fresh = make([0.0, 0.0])
+    tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.numpy(), [3.0, 4.0])
+    assert fresh.version == 2
+
+
+def test_plain_checkpoint_restores_into_safe_variable(make, tmp_path):
+    plain = tf.Variable([4.0, 5.0])
+    path = tf.train.Checkpoint(v=plain).save(os.fspath(tmp_path / "plain"))
+    v = make([0.0, 0.0])
+    tf.train.Checkpoint(v=v).restore(path)
+    np.testing.assert_array_equal(v.numpy(), [4.0, 5.0])
+
+
+def test_saved_model_round_trip(make, tmp_path):
+    module = tf.Module()
+    module.v = make([1.0, 2.0])
+    module.v.assign_add([1.0, 1.0])
+
+    @tf.function(input_signature=[tf.TensorSpec([2], tf.float32)])
+    def scale(x):
+        return module.v * x
+
+    module.scale = scale
+    tf.saved_model.save(module, os.fspath(tmp_path / "sm"))
+    loaded = tf.saved_model.load(os.fspath(tmp_path / "sm"))
+    np.testing.assert_array_equal(loaded.v.numpy(), [2.0, 3.0])
+    np.testing.assert_array_equal(loaded.scale(tf.constant([2.0, 2.0])), [4.0, 6.0])
+
+
+def test_deepcopy_is_independent(make):
+    v = make([1.0, 2.0])
+    v.assign_add([1.0, 1.0])
+    twin = copy.deepcopy(v)
+    assert isinstance(twin, safevars.SafeVariable) and twin.guard is not v.guard
+    assert twin.version == 1
+    twin.assign([0.0, 0.0])
+    np.testing.assert_array_equal(v.numpy(), [2.0, 3.0])
+    assert v.version == 1 and twin.version == 2
+    assert copy.copy(v) is v
+
+
+def test_keras_optimizer_target(make, mode):
+    v = make([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    grads = tf.constant([1.0, 1.0])
+    mode(lambda: optimizer.apply_gradients([(grads, v)]))()
+    np.testing.assert_allclose(v.numpy(), [0.5, 1.5])
+    assert v.version == 1
+
+
+def test_keras_optimizer_sparse_target(make):
+    v = make([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    optimizer = keras.optimizers.SGD(learning_rate=1.0)
+    grad = tf.IndexedSlices(tf.constant([[1.0, 1.0]]), tf.constant([1]), tf.constant([3, 2]))
+    optimizer.apply_gradients([(grad, v)])
+    np.testing.assert_allclose(v.numpy(), [[1.0, 1.0], [1.0, 1.0], [3.0, 3.0]])
+    assert v.version == 1

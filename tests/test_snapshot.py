@@ -1,0 +1,125 @@
+"""Snapshots: immutable, consistent across variables, never torn by transactions."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import safevars
+from safevars import SafeVariable
+from threading_harness import JOIN_TIMEOUT, run_threads
+
+
+def test_snapshot_is_immutable_and_unaffected_by_later_writes():
+    v = SafeVariable([1.0, 2.0])
+    snap = v.snapshot()
+    v.assign([5.0, 6.0])
+    np.testing.assert_array_equal(snap.numpy(), [1.0, 2.0])
+    assert snap.version == 0 and v.version == 1
+    with pytest.raises(ValueError):
+        snap.numpy()[0] = 9.0  # read-only array
+    with pytest.raises(AttributeError):
+        snap.version = 3  # type: ignore[misc]
+    assert float(tf.reduce_sum(tf.convert_to_tensor(snap))) == 3.0
+
+
+def test_structure_is_preserved(mode):
+    a, b, c = SafeVariable(1.0), SafeVariable(2.0), SafeVariable(3.0)
+    b.assign(20.0)
+    out = mode(lambda: safevars.snapshot({"a": a, "pair": (b, c)}))()
+    if mode.name == "eager":
+        assert out["a"].version == 0 and out["pair"][0].version == 1
+        assert float(out["pair"][0].value) == 20.0
+    else:  # a tf.function returns the snapshots' values
+        assert float(out["pair"][0]) == 20.0 and float(out["a"]) == 1.0
+
+
+def test_graph_snapshot_versions_are_tensors():
+    v = SafeVariable(1.0)
+
+    @tf.function(autograph=False)
+    def f():
+        v.assign_add(1.0)
+        s = v.snapshot()
+        return s.value, s.version
+
+    value, version = f()
+    assert float(value) == 2.0 and version.dtype == tf.int64 and int(version) == 1
+
+
+def test_bad_structure():
+    v = SafeVariable(1.0)
+    with pytest.raises(safevars.InvalidArgumentError, match=r"structure\[1\].*safevars.wrap"):
+        safevars.snapshot([v, tf.Variable(1.0)])
+    with pytest.raises(safevars.InvalidArgumentError, match="empty"):
+        safevars.snapshot([])
+
+
+@pytest.mark.parametrize("runtime_mode", [False, True], ids=["eager_locks", "runtime_mode"])
+def test_no_torn_reads_under_concurrent_transactions(runtime_mode):
+    """A writer moves value between two variables; the sum is invariant in every snapshot."""
+    a, b = SafeVariable(1000.0), SafeVariable(0.0)
+    if runtime_mode:
+
+        @tf.function(autograph=False)
+        def to_runtime():
+            return safevars.snapshot([a, b])[0].value
+
+        to_runtime()
+    stop = threading.Event()
+    reads_per_reader, readers = (5000, 2) if not runtime_mode else (1000, 2)
+    broken: list[tuple[float, float]] = []
+
+    def role(i):
+        if i == 0:
+            step = 0
+            while not stop.is_set():
+                amount = 1.0 if step % 2 == 0 else -1.0
+                safevars.transaction(
+                    [a, b], lambda: (a.assign_sub(amount), b.assign_add(amount))
+                )
+                step += 1
+            return
+        try:
+            for _ in range(reads_per_reader):
+                sa, sb = safevars.snapshot([a, b])
+                total = float(sa.value) + float(sb.value)
+                if total != 1000.0 or sa.version != sb.version:
+                    broken.append((float(sa.value), float(sb.value)))
+        finally:
+            if i == 1:
+                stop.set()
+
+    run_threads(readers + 1, role)
+    assert a.version == b.version > 0
+    assert not broken, f"torn snapshots: {broken[:5]}"
+
+
+def test_readers_do_not_wait_for_readers():
+    """A snapshot completes while another reader is parked inside its read."""
+    v = SafeVariable(1.0)
+    parked, release = threading.Event(), threading.Event()
+    original = v.__wrapped__.read_value
+    calls = {"n": 0}
+
+    def slow_read(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            parked.set()
+            release.wait(JOIN_TIMEOUT)
+        return original(*args, **kwargs)
+
+    v.__wrapped__.read_value = slow_read
+    try:
+        t = threading.Thread(target=v.snapshot, daemon=True)
+        t.start()
+        assert parked.wait(JOIN_TIMEOUT)
+        assert v.snapshot().version == 0  # did not block on the parked reader
+    finally:
+        release.set()
+        t.join(JOIN_TIMEOUT)
+        del v.__wrapped__.read_value
+    assert not t.is_alive()

@@ -1,0 +1,163 @@
+"""SafeVariable: locked writes, versions, update, compare_and_assign and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import safevars
+from safevars import SafeVariable
+
+
+def state(v):
+    """Everything a failed call must leave unchanged."""
+    return (v.numpy().tolist(), v.version, v.statistics())
+
+
+class TestWritesAndVersions:
+    def test_each_write_adds_one_version(self, mode):
+        v = SafeVariable([1.0, 2.0, 3.0])
+
+        def writes():
+            v.assign([0.0, 0.0, 0.0])
+            v.assign_add([1.0, 1.0, 1.0])
+            v.assign_sub([0.5, 0.5, 0.5])
+            v.scatter_add(tf.IndexedSlices(tf.constant([10.0]), tf.constant([1])))
+            v.scatter_nd_update([[2]], [7.0])
+            v[0].assign(4.0)
+            return v.update(lambda x: x * 2)
+
+        result = mode(writes)()
+        np.testing.assert_allclose(v.numpy(), [8.0, 21.0, 14.0])
+        np.testing.assert_allclose(result, [8.0, 21.0, 14.0])
+        assert v.version == 7
+
+    def test_version_is_int_eagerly_and_int64_tensor_in_graph(self):
+        v = SafeVariable(1.0)
+        assert isinstance(v.version, int) and v.version == 0
+
+        @tf.function
+        def bump_and_read():
+            v.assign_add(1.0)
+            return v.version
+
+        out = bump_and_read()
+        assert out.dtype == tf.int64 and int(out) == 1
+        assert v.version == 1 and isinstance(v.version, int)
+
+    def test_update_returns_written_value(self, mode):
+        v = SafeVariable(3.0)
+        out = mode(lambda: v.update(lambda x: x * x + 1.0))()
+        assert float(out) == 10.0 and float(v.numpy()) == 10.0 and v.version == 1
+
+    def test_compare_and_assign(self, mode):
+        v = SafeVariable(1.0)
+        v.assign(2.0)  # version 1
+        cas = mode(lambda expected: v.compare_and_assign(5.0, expected))
+        assert not bool(cas(0))
+        assert float(v.numpy()) == 2.0 and v.version == 1
+        assert bool(cas(1))
+        assert float(v.numpy()) == 5.0 and v.version == 2
+
+    def test_read_value_return_of_eager_write_is_the_proxy(self):
+        v = SafeVariable(1.0)
+        out = v.assign_add(1.0)
+        assert out is v
+        out.assign_add(1.0)  # chained writes stay locked and counted
+        assert v.version == 2
+        assert v.assign(0.0, read_value=False) is None
+
+    def test_wrap_shares_storage_and_guard(self):
+        plain = tf.Variable(1.0)
+        a, b = safevars.wrap(plain), safevars.wrap(plain)
+        assert a.guard is b.guard
+        assert safevars.wrap(a) is a
+        a.assign_add(1.0)
+        assert b.version == 1 and float(plain.numpy()) == 2.0
+
+    def test_wrap_keras_variable_wraps_backing_variable(self):
+        import keras
+
+        kv = keras.Variable(np.ones((2,), np.float32))
+        sv = safevars.wrap(kv)
+        sv.assign_add([1.0, 1.0])
+        np.testing.assert_allclose(kv.numpy(), [2.0, 2.0])
+        assert sv.version == 1
+
+    def test_statistics_is_frozen_record(self):
+        v = SafeVariable(0.0)
+        v.assign_add(1.0)
+        stats = v.statistics()
+        assert stats.writes == 1 and not stats.locked and stats.owner is None
+        with pytest.raises(AttributeError):
+            stats.writes = 5  # type: ignore[misc]
+        with safevars.locked(v):
+            inside = v.statistics()
+        assert inside.locked and inside.depth == 1
+
+
+class TestBadInput:
+    def test_wrong_shape(self, mode):
+        v = SafeVariable([1.0, 2.0])
+        before = state(v)
+        with pytest.raises(safevars.ShapeMismatchError, match=r"value has shape \[3\]"):
+            mode(lambda: v.assign([1.0, 2.0, 3.0]))()
+        with pytest.raises(ValueError):  # plain tf.Variable code catches ValueError
+            mode(lambda: v.assign_add([[1.0, 2.0]]))()
+        assert state(v) == before
+
+    def test_wrong_dtype(self, mode):
+        v = SafeVariable([1.0, 2.0])
+        before = state(v)
+        with pytest.raises(safevars.DTypeMismatchError, match="dtype float32"):
+            mode(lambda: v.assign(tf.constant(["a", "b"])))()
+        with pytest.raises(TypeError):
+            mode(lambda: v.assign_sub(tf.constant([1, 2], tf.int64)))()
+        assert state(v) == before
+
+    def test_update_not_callable(self):
+        v = SafeVariable(1.0)
+        before = state(v)
+        with pytest.raises(safevars.NotCallableError, match="update"):
+            v.update(3.0)  # type: ignore[arg-type]
+        assert state(v) == before
+
+    def test_update_fn_result_wrong_shape(self, mode):
+        v = SafeVariable([1.0, 2.0])
+        before = state(v)
+        with pytest.raises(safevars.ShapeMismatchError, match="the result of fn"):
+            mode(lambda: v.update(lambda x: tf.concat([x, x], 0)))()
+        assert state(v) == before
+
+    def test_update_fn_exception_propagates_unchanged(self):
+        v = SafeVariable(1.0)
+        before = state(v)
+
+        class Boom(Exception):
+            pass
+
+        def fn(x):
+            raise Boom("from fn")
+
+        with pytest.raises(Boom, match="from fn"):
+            v.update(fn)
+        assert state(v) == before
+
+    @pytest.mark.parametrize("expected", [-1, 1.5, "0", True, None])
+    def test_compare_and_assign_bad_expected_version(self, expected):
+        v = SafeVariable(1.0)
+        before = state(v)
+        with pytest.raises(safevars.InvalidArgumentError, match="expected_version"):
+            v.compare_and_assign(2.0, expected)
+        assert state(v) == before
+
+    def test_wrap_rejects_non_variable(self):
+        with pytest.raises(safevars.InvalidArgumentError, match="wrap"):
+            safevars.wrap(tf.constant(1.0))
+
+    def test_errors_share_base_and_builtin(self):
+        assert issubclass(safevars.ShapeMismatchError, (safevars.SafeVarsError, ValueError))
+        assert issubclass(safevars.DTypeMismatchError, TypeError)
+        assert issubclass(safevars.LockReentryError, RuntimeError)
+        assert issubclass(safevars.NotCallableError, TypeError)
