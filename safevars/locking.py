@@ -204,18 +204,18 @@ class Guard:
             return int(self.version_var.numpy())
         return self._version
 
-    def bump_eager(self) -> None:
-        """Records one completed eager write; the caller holds the lock."""
-        self._writes += 1
+    def bump_eager(self, writes: int = 1) -> None:
+        """Records ``writes`` completed eager writes; the caller holds the lock."""
+        self._writes += writes
         if self.runtime:
-            self.version_var.assign_add(1, read_value=False)
+            self.version_var.assign_add(writes, read_value=False)
         else:
-            self._version += 1
+            self._version += writes
 
-    def bump_graph(self, after: Any) -> Any:
-        """Graph op adding 1 to the version once ``after`` has run."""
+    def bump_graph(self, after: Any, writes: int = 1) -> Any:
+        """Graph op adding ``writes`` to the version once ``after`` has run."""
         with tf.control_dependencies([after] if after is not None else []):
-            return self.version_var.assign_add(1, read_value=False)
+            return self.version_var.assign_add(writes, read_value=False)
 
     def sync_version_var(self) -> None:
         """Copies the eager version into the version variable (before a checkpoint)."""

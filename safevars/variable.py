@@ -42,11 +42,13 @@ from tensorflow.python.framework import tensor_conversion_registry
 from tensorflow.python.ops import tensor_getitem_override
 from tensorflow.python.util import object_identity
 
+from safevars.distribute import check_strategy, merge_context, merged_update, merged_write
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
     NotCallableError,
     ShapeMismatchError,
+    UnsupportedStrategyError,
 )
 from safevars.locking import Guard, LockStatistics, graph_section, held_in_graph, hold
 from safevars.snapshot import Snapshot, take_snapshots
@@ -116,6 +118,7 @@ class SafeVariable(wrapt.ObjectProxy):
     # ------------------------------------------------------------------ construction
 
     def __init__(self, initial_value: Any = None, **kwargs: Any) -> None:
+        check_strategy()
         variable = tf.Variable(initial_value, **kwargs)
         super().__init__(variable)
         self._self_guard = _guard_for(variable)
@@ -198,10 +201,12 @@ class SafeVariable(wrapt.ObjectProxy):
         out = graph_section([guard], lambda: self._graph_write_body(op, None))
         return out if read_value else out.op
 
-    def _graph_write_body(self, op: Callable[[], Any], writes: list[Any] | None) -> Any:
+    def _graph_write_body(
+        self, op: Callable[[], Any], writes: list[Any] | None, count: int = 1
+    ) -> Any:
         written = op()
         written = written.op if isinstance(written, tf.Tensor) else written
-        bumped = self._self_guard.bump_graph(written)
+        bumped = self._self_guard.bump_graph(written, count)
         if writes is not None:
             writes.append(bumped)
         with tf.control_dependencies([bumped]):
@@ -255,6 +260,11 @@ class SafeVariable(wrapt.ObjectProxy):
         """
         tensor = self._checked(value, "value", same_shape=False)
         wrapped = self.__wrapped__
+        ctx = merge_context(wrapped)
+        if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
+            return merged_write(
+                ctx, wrapped, lambda v: self.assign(v, use_locking, name, read_value), tensor
+            )
         return self._write(
             lambda: wrapped.assign(tensor, use_locking, name, read_value=False), read_value
         )
@@ -266,6 +276,11 @@ class SafeVariable(wrapt.ObjectProxy):
         """Adds ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
         tensor = self._checked(delta, "delta", same_shape=True)
         wrapped = self.__wrapped__
+        ctx = merge_context(wrapped)
+        if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
+            return merged_write(
+                ctx, wrapped, lambda v: self.assign_add(v, use_locking, name, read_value), tensor
+            )
         return self._write(
             lambda: wrapped.assign_add(tensor, use_locking, name, read_value=False),
             read_value,
@@ -278,6 +293,11 @@ class SafeVariable(wrapt.ObjectProxy):
         """Subtracts ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
         tensor = self._checked(delta, "delta", same_shape=True)
         wrapped = self.__wrapped__
+        ctx = merge_context(wrapped)
+        if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
+            return merged_write(
+                ctx, wrapped, lambda v: self.assign_sub(v, use_locking, name, read_value), tensor
+            )
         return self._write(
             lambda: wrapped.assign_sub(tensor, use_locking, name, read_value=False),
             read_value,
@@ -330,27 +350,43 @@ class SafeVariable(wrapt.ObjectProxy):
                 f"update(fn) needs a callable taking the current value, got {_short(fn)}. "
                 "Pass for example lambda x: x + 1."
             )
+        ctx = merge_context(self.__wrapped__)
+        if ctx is not None:  # Inside strategy.run: every replica's fn, in replica order.
+            return merged_update(ctx, self._update_all, fn)
+        return self._update_all([fn])[0]
+
+    def _update_all(self, fns: list[Callable[[tf.Tensor], Any]]) -> list[tf.Tensor]:
+        """Applies ``fns`` in order as one critical section; one version per function."""
         wrapped = self.__wrapped__
-
-        def read_modify_write() -> Any:
-            new = self._checked(fn(wrapped.read_value()), "the result of fn", False)
-            return new, lambda: wrapped.assign(new, read_value=False)
-
         guard = self._self_guard
+
+        def apply_in_order() -> list[tf.Tensor]:
+            value, results = wrapped.read_value(), []
+            for fn in fns:
+                value = self._checked(fn(value), "the result of fn", same_shape=False)
+                results.append(value)
+            return results
+
         if tf.executing_eagerly():
             with hold([guard]):
-                new, write = read_modify_write()
-                write()
-                guard.bump_eager()
-            return new
+                results = apply_in_order()
+                wrapped.assign(results[-1], read_value=False)
+                guard.bump_eager(len(fns))
+            return results
 
-        def body() -> Any:
-            new, write = read_modify_write()
-            return self._graph_write_body(write, held_in_graph(guard))
+        def body() -> list[tf.Tensor]:
+            results = apply_in_order()
+            written = self._graph_write_body(
+                lambda: wrapped.assign(results[-1], read_value=False),
+                held_in_graph(guard),
+                count=len(fns),
+            )
+            with tf.control_dependencies([written]):
+                return [tf.identity(r) for r in results]
 
         if held_in_graph(guard) is not None:
             return body()
-        with tf.name_scope(name or "safevars_update"):
+        with tf.name_scope("safevars_update"):
             return graph_section([guard], body)
 
     def compare_and_assign(
@@ -384,6 +420,12 @@ class SafeVariable(wrapt.ObjectProxy):
                 )
         tensor = self._checked(value, "value", same_shape=False)
         wrapped = self.__wrapped__
+        if merge_context(wrapped) is not None:
+            raise UnsupportedStrategyError(
+                "compare_and_assign on a mirrored variable inside strategy.run is not "
+                "supported: replicas would race on one expected version. Call it outside "
+                "strategy.run (cross-replica context), or use update(fn) in the replicas."
+            )
         guard = self._self_guard
         if tf.executing_eagerly():
             with hold([guard]):
@@ -449,6 +491,12 @@ for _method in _SCATTER_METHODS:
 
     def _make(method: str) -> Callable[..., Any]:
         def scatter(self: SafeVariable, *args: Any, **kwargs: Any) -> Any:
+            if merge_context(self.__wrapped__) is not None:
+                raise UnsupportedStrategyError(
+                    f"{method} on a mirrored variable inside strategy.run is not "
+                    "supported by safevars. Call it outside strategy.run (cross-replica "
+                    "context) or use assign_add/update, which merge the replicas first."
+                )
             wrapped_method = getattr(self.__wrapped__, method)
             return self._write(lambda: wrapped_method(*args, **kwargs), read_value=True)
 
