@@ -102,9 +102,9 @@ def merge_context(variable: Any) -> tf.distribute.ReplicaContext | None:
     ``None`` in cross-replica context, without a strategy, and for variables that are not
     mirrored (a parameter-server variable is written in place, under its lock).
     """
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return None
     if not isinstance(variable, ds_values.DistributedVariable):
+        return None  # Checked first: it is the cheap test on every eager write.
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     strategy = check_strategy()
     if not strategy.extended._use_merge_call():  # XLA-compiled replica functions on GPUs.

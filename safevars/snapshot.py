@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError
-from safevars.locking import Guard, graph_section, hold
+from safevars.locking import graph_section, guards_of, hold
 
 __all__ = ["Snapshot", "snapshot", "take_snapshots"]
 
@@ -76,23 +76,9 @@ class Snapshot:
         return f"Snapshot(name={self.name!r}, version={version}, value={shown!r})"
 
 
-def _guards_of(variables: Sequence[Any], argument: str) -> list[Guard]:
-    guards = []
-    for index, variable in enumerate(variables):
-        guard = getattr(variable, "_self_guard", None)
-        if not isinstance(guard, Guard):
-            raise InvalidArgumentError(
-                f"{argument}[{index}] is {type(variable).__name__}, not a SafeVariable. "
-                "Create it with safevars.SafeVariable(...) or wrap it with "
-                "safevars.wrap(variable)."
-            )
-        guards.append(guard)
-    return guards
-
-
 def take_snapshots(variables: Sequence[Any]) -> list[Snapshot]:
     """Snapshots of ``variables`` (SafeVariables), all taken at one instant."""
-    guards = _guards_of(variables, "variables")
+    guards = guards_of(variables, "variables")
     wrapped = [v.__wrapped__ for v in variables]
     names = [g.name for g in guards]
     if not tf.executing_eagerly():
@@ -147,5 +133,5 @@ def snapshot(structure: Any) -> Any:
         raise InvalidArgumentError(
             "snapshot(structure) needs at least one SafeVariable, got an empty structure."
         )
-    _guards_of(leaves, "structure")
+    guards_of(leaves, "structure")
     return tf.nest.pack_sequence_as(structure, take_snapshots(leaves))

@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError, NotCallableError
-from safevars.locking import Guard, graph_section, hold
-from safevars.snapshot import _guards_of
+from safevars.locking import Guard, graph_section, guards_of, hold
 
 __all__ = ["locked", "transaction"]
 
@@ -64,7 +63,7 @@ def locked(*variables: Any) -> Iterator[None]:
             "safevars.locked() is for eager code: inside a tf.function a Python lock only "
             "guards tracing, not execution. Use safevars.transaction(variables, fn) there."
         )
-    guards = _guards_of(_variables_argument(list(variables), "variables"), "variables")
+    guards = guards_of(_variables_argument(list(variables), "variables"), "variables")
     with hold(guards):
         yield
 
@@ -98,7 +97,7 @@ def transaction(variables: Sequence[Any], fn: Callable[[], T]) -> T:
     back.
     """
     variables = _variables_argument(variables, "variables")
-    guards = _guards_of(variables, "variables")
+    guards = guards_of(variables, "variables")
     if not callable(fn):
         raise NotCallableError(
             f"transaction(variables, fn) needs a callable with no arguments, got {fn!r}."

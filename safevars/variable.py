@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import wrapt
+from tensorflow.python.distribute import values as ds_values
 from tensorflow.python.framework import tensor_conversion_registry
 from tensorflow.python.ops import tensor_getitem_override
 from tensorflow.python.util import object_identity
@@ -121,16 +122,21 @@ class SafeVariable(wrapt.ObjectProxy):
         check_strategy()
         variable = tf.Variable(initial_value, **kwargs)
         super().__init__(variable)
-        self._self_guard = _guard_for(variable)
-        self._self_static_shape = _static_shape(variable)
+        self._self_init(variable, 0)
 
     @classmethod
     def _from_variable(cls, variable: tf.Variable, version: int = 0) -> SafeVariable:
         proxy = cls.__new__(cls)
         wrapt.ObjectProxy.__init__(proxy, variable)
-        proxy._self_guard = _guard_for(variable, version)
-        proxy._self_static_shape = _static_shape(variable)
+        proxy._self_init(variable, version)
         return proxy
+
+    def _self_init(self, variable: tf.Variable, version: int) -> None:
+        # Cached: every write reads them, and the wrapped variable's never change.
+        self._self_guard = _guard_for(variable, version)
+        self._self_static_shape = _static_shape(variable)
+        self._self_dtype = variable.dtype
+        self._self_mirrored = isinstance(variable, ds_values.DistributedVariable)
 
     # ------------------------------------------------------------------ identity
 
@@ -189,12 +195,8 @@ class SafeVariable(wrapt.ObjectProxy):
         """Runs the write ``op`` under the lock and counts it (eager or graph)."""
         guard = self._self_guard
         if tf.executing_eagerly():
-            with hold([guard]):
-                result = op()
-                guard.bump_eager()
-            if read_value:
-                return self
-            return result
+            result = guard.call_locked(op)
+            return self if read_value else result
         writes = held_in_graph(guard)
         if writes is not None:
             return self._graph_write_body(op, writes)
@@ -212,28 +214,44 @@ class SafeVariable(wrapt.ObjectProxy):
         with tf.control_dependencies([bumped]):
             return self.__wrapped__.read_value()
 
-    def _checked(self, value: Any, argument: str, same_shape: bool) -> tf.Tensor:
-        """Converts ``value`` to the variable's dtype and checks its shape, or raises."""
-        variable = self.__wrapped__
-        if isinstance(value, tf.Tensor) and value.dtype == variable.dtype:
+    def _checked(self, value: Any, argument: str) -> Any:
+        """``value`` converted to the variable's dtype, its shape checked, or raises.
+
+        Called on every write, so it keeps to cached attributes and cheap checks.
+        """
+        dtype = self._self_dtype
+        expected = self._self_static_shape
+        kind = type(value)
+        if (kind is float and dtype.is_floating) or (
+            kind is int and (dtype.is_floating or dtype.is_integer)
+        ):
+            if expected == ():
+                # v.assign_add(1.0): the op converts a Python number more cheaply than
+                # tf.convert_to_tensor does, and TensorFlow range-checks integers.
+                return value
+        if isinstance(value, tf.Tensor) and value.dtype == dtype:
             tensor = value
         else:
             try:
-                tensor = tf.convert_to_tensor(value, dtype=variable.dtype)
+                tensor = tf.convert_to_tensor(value, dtype=dtype)
             except (TypeError, ValueError) as e:
                 raise DTypeMismatchError(
                     f"{argument}={_short(value)} cannot be converted to this variable's "
-                    f"dtype {variable.dtype.name} ({e}). Cast it first, for example "
-                    f"tf.cast(x, {variable.dtype!r})."
+                    f"dtype {dtype.name} ({e}). Cast it first, for example "
+                    f"tf.cast(x, {dtype!r})."
                 ) from None
-        expected = self._self_static_shape
         if expected is not None:
-            got = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else None
-            if got is not None and not _shapes_fit(expected, got, same_shape):
+            shape_tuple = getattr(tensor, "_shape_tuple", None)  # EagerTensor: no TensorShape
+            if shape_tuple is not None:
+                got = shape_tuple()
+            else:
+                got = None if tensor.shape.rank is None else tuple(tensor.shape.as_list())
+            if got is not None and got != expected and not _shapes_fit(expected, got):
                 raise ShapeMismatchError(
-                    f"{argument} has shape {list(got)} but variable {variable.name!r} has "
-                    f"shape {list(expected)}. Reshape the value, or create the variable "
-                    "with shape=tf.TensorShape(None) to allow any shape."
+                    f"{argument} has shape {list(got)} but variable "
+                    f"{self.__wrapped__.name!r} has shape {list(expected)}. Reshape the "
+                    "value, or create the variable with shape=tf.TensorShape(None) to "
+                    "allow any shape."
                 )
         return tensor
 
@@ -258,9 +276,9 @@ class SafeVariable(wrapt.ObjectProxy):
         Modes: eagerly returns ``self`` (or ``None`` with ``read_value=False``); in a
         ``tf.function`` returns the value written (or the op), ordered after the write.
         """
-        tensor = self._checked(value, "value", same_shape=False)
+        tensor = self._checked(value, "value")
         wrapped = self.__wrapped__
-        ctx = merge_context(wrapped)
+        ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
             return merged_write(
                 ctx, wrapped, lambda v: self.assign(v, use_locking, name, read_value), tensor
@@ -274,9 +292,9 @@ class SafeVariable(wrapt.ObjectProxy):
         read_value: bool = True,
     ) -> Any:
         """Adds ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
-        tensor = self._checked(delta, "delta", same_shape=True)
+        tensor = self._checked(delta, "delta")
         wrapped = self.__wrapped__
-        ctx = merge_context(wrapped)
+        ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
             return merged_write(
                 ctx, wrapped, lambda v: self.assign_add(v, use_locking, name, read_value), tensor
@@ -291,9 +309,9 @@ class SafeVariable(wrapt.ObjectProxy):
         read_value: bool = True,
     ) -> Any:
         """Subtracts ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
-        tensor = self._checked(delta, "delta", same_shape=True)
+        tensor = self._checked(delta, "delta")
         wrapped = self.__wrapped__
-        ctx = merge_context(wrapped)
+        ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
             return merged_write(
                 ctx, wrapped, lambda v: self.assign_sub(v, use_locking, name, read_value), tensor
@@ -343,19 +361,24 @@ class SafeVariable(wrapt.ObjectProxy):
         can happen between the read and the write; adds exactly 1 to :attr:`version`.
 
         Modes: eagerly under the variable's lock; in a ``tf.function`` inside its
-        ``tf.CriticalSection``, so the exclusion holds when the graph runs.
+        ``tf.CriticalSection``, so the exclusion holds when the graph runs. Inside
+        ``strategy.run`` on a mirrored variable, every replica's ``fn`` is applied in
+        replica order inside one critical section (one version each) and each replica
+        gets back the value its own ``fn`` wrote; see :mod:`safevars.distribute`.
         """
         if not callable(fn):
             raise NotCallableError(
                 f"update(fn) needs a callable taking the current value, got {_short(fn)}. "
                 "Pass for example lambda x: x + 1."
             )
-        ctx = merge_context(self.__wrapped__)
+        ctx = merge_context(self.__wrapped__) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: every replica's fn, in replica order.
-            return merged_update(ctx, self._update_all, fn)
-        return self._update_all([fn])[0]
+            return merged_update(ctx, lambda fns: self._update_all(fns, name), fn)
+        return self._update_all([fn], name)[0]
 
-    def _update_all(self, fns: list[Callable[[tf.Tensor], Any]]) -> list[tf.Tensor]:
+    def _update_all(
+        self, fns: list[Callable[[tf.Tensor], Any]], name: str | None = None
+    ) -> list[tf.Tensor]:
         """Applies ``fns`` in order as one critical section; one version per function."""
         wrapped = self.__wrapped__
         guard = self._self_guard
@@ -363,16 +386,18 @@ class SafeVariable(wrapt.ObjectProxy):
         def apply_in_order() -> list[tf.Tensor]:
             value, results = wrapped.read_value(), []
             for fn in fns:
-                value = self._checked(fn(value), "the result of fn", same_shape=False)
+                value = self._checked(fn(value), "the result of fn")
                 results.append(value)
             return results
 
         if tf.executing_eagerly():
-            with hold([guard]):
+
+            def read_modify_write() -> list[tf.Tensor]:
                 results = apply_in_order()
                 wrapped.assign(results[-1], read_value=False)
-                guard.bump_eager(len(fns))
-            return results
+                return results
+
+            return guard.call_locked(read_modify_write, writes=len(fns))
 
         def body() -> list[tf.Tensor]:
             results = apply_in_order()
@@ -386,7 +411,7 @@ class SafeVariable(wrapt.ObjectProxy):
 
         if held_in_graph(guard) is not None:
             return body()
-        with tf.name_scope("safevars_update"):
+        with tf.name_scope(name or "safevars_update"):
             return graph_section([guard], body)
 
     def compare_and_assign(
@@ -418,9 +443,9 @@ class SafeVariable(wrapt.ObjectProxy):
                 raise InvalidArgumentError(
                     f"expected_version must be >= 0, got {expected_version}."
                 )
-        tensor = self._checked(value, "value", same_shape=False)
+        tensor = self._checked(value, "value")
         wrapped = self.__wrapped__
-        if merge_context(wrapped) is not None:
+        if self._self_mirrored and merge_context(wrapped) is not None:
             raise UnsupportedStrategyError(
                 "compare_and_assign on a mirrored variable inside strategy.run is not "
                 "supported: replicas would race on one expected version. Call it outside "
@@ -428,12 +453,11 @@ class SafeVariable(wrapt.ObjectProxy):
             )
         guard = self._self_guard
         if tf.executing_eagerly():
-            with hold([guard]):
+            with hold([guard]):  # The comparison and the write under one lock.
                 if guard.version() != expected_version:
                     return False
-                wrapped.assign(tensor, read_value=False)
-                guard.bump_eager()
-            return True
+                guard.call_locked(lambda: wrapped.assign(tensor, read_value=False))
+                return True
 
         def body() -> tf.Tensor:
             expected = tf.cast(expected_version, tf.int64)
@@ -491,7 +515,7 @@ for _method in _SCATTER_METHODS:
 
     def _make(method: str) -> Callable[..., Any]:
         def scatter(self: SafeVariable, *args: Any, **kwargs: Any) -> Any:
-            if merge_context(self.__wrapped__) is not None:
+            if self._self_mirrored and merge_context(self.__wrapped__) is not None:
                 raise UnsupportedStrategyError(
                     f"{method} on a mirrored variable inside strategy.run is not "
                     "supported by safevars. Call it outside strategy.run (cross-replica "
@@ -561,9 +585,7 @@ def _static_shape(variable: tf.Variable) -> tuple[int | None, ...] | None:
     return None if shape.rank is None else tuple(shape.as_list())
 
 
-def _shapes_fit(
-    expected: tuple[int | None, ...], got: tuple[int | None, ...], same_shape: bool
-) -> bool:
+def _shapes_fit(expected: tuple[int | None, ...], got: tuple[int | None, ...]) -> bool:
     if len(expected) != len(got):
         return False
     return all(e is None or g is None or e == g for e, g in zip(expected, got))
