@@ -15,6 +15,7 @@ from safevars.errors import (
     UnsupportedStrategyError,
 )
 from safevars.locking import LockStatistics
+from safevars.rng import ReplicaRNG, ReplicaStream
 from safevars.snapshot import Snapshot, snapshot
 from safevars.transaction import locked, transaction
 from safevars.variable import SafeVariable, wrap
@@ -31,6 +32,8 @@ __all__ = [
     "NonFiniteGradientError",
     "NotCallableError",
     "RaceDetectedError",
+    "ReplicaRNG",
+    "ReplicaStream",
     "SafeVarsError",
     "SafeVariable",
     "ShapeMismatchError",
