@@ -1,5 +1,6 @@
 """safevars: TensorFlow variables that are safe to share between threads, graphs and replicas."""
 
+from safevars.audit import AuditReport, Race, audit
 from safevars.errors import (
     AccumulatorTimeoutError,
     DTypeMismatchError,
@@ -23,6 +24,7 @@ from safevars.variable import SafeVariable, wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "AccumulatorTimeoutError",
     "DTypeMismatchError",
     "InvalidArgumentError",
@@ -31,6 +33,7 @@ __all__ = [
     "LockStatistics",
     "NonFiniteGradientError",
     "NotCallableError",
+    "Race",
     "RaceDetectedError",
     "ReplicaRNG",
     "ReplicaStream",
@@ -41,6 +44,7 @@ __all__ = [
     "StaleGradientError",
     "UnsupportedStrategyError",
     "__version__",
+    "audit",
     "locked",
     "snapshot",
     "transaction",

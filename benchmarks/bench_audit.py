@@ -1,0 +1,125 @@
+"""Family "audit": what ``safevars.audit()`` costs while it is active.
+
+Every case times the same eager work on a plain ``tf.Variable`` twice, A/B interleaved:
+
+* ``inactive`` (the baseline): no audit. Nothing is patched when no audit is active, so
+  this is also what code pays after an audit ended (the audit tests check that every
+  patched function is the original again);
+* ``audit active``: the same work inside ``with safevars.audit():``. The block is
+  entered and left once per call of the variant, around ``OPS_PER_CALL`` operations, so
+  the installation of the patches is amortized; the ``enter_exit`` case times it alone.
+
+Cases: ``read`` (``read_value``), ``assign`` (``read_value=False``) and
+``read_modify_write`` (``v.assign(v.read_value() + 1)``, the pattern the audit looks
+for) on a scalar, 1K elements and the context's sizes; a ``tf.function`` call (traced
+inside an audit, so each call replays its two traced accesses); and ``enter_exit``
+(``with safevars.audit(): pass`` against ``contextlib.nullcontext()``). One thread: the
+audit's cost is per access (a bookkeeping lock and a short stack walk), not contention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from benchmarks.case import Case, Context
+from safevars.audit import audit
+
+FAMILY = "audit"
+DESCRIPTION = "eager reads/writes of a plain tf.Variable: audit active vs inactive"
+ORDER = 8
+
+OPS = ("read", "assign", "read_modify_write")
+OPS_PER_CALL = 100
+
+
+def size_label(size: int) -> str:
+    if size == 1:
+        return "scalar"
+    for suffix, scale in (("M", 1_000_000), ("K", 1_000)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    return str(size)
+
+
+def _work(op: str, v: tf.Variable, value: tf.Tensor, n: int) -> Callable[[], Any]:
+    if op == "read":
+        def work() -> None:
+            for _ in range(n):
+                v.read_value()
+    elif op == "assign":
+        def work() -> None:
+            for _ in range(n):
+                v.assign(value, read_value=False)
+    elif op == "read_modify_write":
+        def work() -> None:
+            for _ in range(n):
+                v.assign(v.read_value() + value, read_value=False)
+    else:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    return work
+
+
+def _pair(work: Callable[[], Any]) -> dict[str, Callable[[], Any]]:
+    def audited() -> dict[str, Any]:
+        with audit() as report:
+            work()
+        return {"races": len(report.races)}
+
+    return {"inactive": work, "audit active": audited}
+
+
+def cases(ctx: Context) -> list[Case]:
+    out = []
+    sizes = sorted({1, 1_000, *ctx.sizes})
+    for size in sizes:
+        n = OPS_PER_CALL
+        shape = () if size == 1 else (size,)
+        with tf.device(ctx.device):
+            v = tf.Variable(tf.zeros(shape), name=f"audited_{size_label(size)}")
+            value = tf.ones(shape)
+        for op in OPS:
+            out.append(Case(
+                family=FAMILY,
+                name=f"{op}/{size_label(size)}",
+                variants=_pair(_work(op, v, value, n)),
+                ops_per_call=n,
+                params={"op": op, "size": size, "dtype": "float32", "threads": 1},
+            ))
+
+    with tf.device(ctx.device):
+        counter = tf.Variable(0.0, name="audited_function_counter")
+    with audit():  # Traced inside an audit: its calls replay the traced accesses.
+
+        @tf.function
+        def step() -> None:
+            counter.assign(counter.read_value() + 1.0)
+
+        step()
+
+    def calls() -> None:
+        for _ in range(OPS_PER_CALL):
+            step()
+
+    out.append(Case(
+        family=FAMILY,
+        name="tf.function_call/scalar",
+        variants=_pair(calls),
+        ops_per_call=OPS_PER_CALL,
+        params={"op": "tf.function read_modify_write", "size": 1, "threads": 1},
+    ))
+
+    def audited_block() -> None:
+        with audit():
+            pass
+
+    out.append(Case(
+        family=FAMILY,
+        name="enter_exit",
+        variants={"nullcontext": contextlib.nullcontext, "audit active": audited_block},
+        params={"op": "with safevars.audit(): pass"},
+    ))
+    return out
