@@ -27,6 +27,7 @@ from benchmarks.case import Case, Context
 from safevars.rng import ReplicaRNG
 
 FAMILY = "rng"
+ORDER = 7
 DESCRIPTION = (
     "ReplicaRNG.normal vs tf.random.Generator.normal and tf.random.stateless_normal, "
     "same shapes, eager and tf.function"

@@ -5,6 +5,15 @@ Each family lives in ``benchmarks/bench_<family>.py`` and defines::
     FAMILY = "eager"                       # the name --cases selects
     DESCRIPTION = "one line for the table"
     def cases(ctx: Context) -> list[Case]: ...
+    DEFAULT = False                        # optional: run only when --cases names it
+    ORDER = 3                              # optional: position in runs and reports
+
+Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT`` and ``ORDER`` as literals: the runner
+reads them without importing the module, so a family that fails to import is still
+listed and reported by name, and an optional family is not imported unless selected (a
+module whose ``FAMILY`` is not a literal is imported to read it). ``DEFAULT`` may be left
+out (True); so may ``ORDER`` (families without it come after the others, by file name;
+the issue's family number is a good ``ORDER``).
 
 A :class:`Case` holds *variants*: zero-argument callables doing one unit of work. The
 first variant is the baseline (plain ``tf.Variable`` or the stock TensorFlow/Keras way);
@@ -58,6 +67,9 @@ class Case:
       goal: Optional ``(variant, max_ratio)``: the issue's performance goal for that
         variant over the baseline; the report says whether the median met it.
       teardown: Optional callable run once after the case was measured.
+      goal_reference: Optional variant name the goal's ratio is taken against, when it
+        is not the baseline (e.g. ``update`` against a hand-written ``threading.Lock``).
+        Default ``None``: the baseline (first variant).
     """
 
     family: str
@@ -68,3 +80,4 @@ class Case:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     goal: tuple[str, float] | None = None
     teardown: Callable[[], Any] | None = None
+    goal_reference: str | None = None

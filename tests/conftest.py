@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,9 +40,21 @@ def mode(request):
     return run
 
 
+_COLLECTIVE_KEY_BASES = itertools.count(1)
+
+
 @pytest.fixture
-def mirrored_strategy():
-    """A MirroredStrategy over the logical CPU devices (at least two replicas)."""
+def mirrored_strategy(monkeypatch):
+    """A MirroredStrategy over the logical CPU devices (at least two replicas).
+
+    Every strategy built in one process numbers its collective groups from the same base,
+    and TensorFlow caches a collective's shape per key; a fresh base per test (the knob
+    TensorFlow's own tests use) keeps one test's collectives from clashing with another's.
+    """
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     assert len(devices) >= 2, "conftest must configure two logical CPUs first"
+    monkeypatch.setattr(
+        tf.distribute.MirroredStrategy, "_collective_key_base",
+        1_000_000 * next(_COLLECTIVE_KEY_BASES),
+    )
     return tf.distribute.MirroredStrategy(devices[:NUM_LOGICAL_CPUS])

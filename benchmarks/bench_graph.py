@@ -1,0 +1,130 @@
+"""Family 2: the eager family's operations inside ``tf.function``.
+
+Each call runs one ``tf.function`` doing ``OPS_PER_CALL`` of the operation in sequence
+(unrolled at trace time) on a scalar, 1K and 1M elements (16M on a GPU; ``--quick``
+keeps the smallest and the largest size: tracing dominates its time), so the figures
+are per operation with the call overhead shared. Variants, each on its own variable:
+
+* ``tf.Variable``: the plain ops (the baseline; ``update`` is the racy
+  ``v.assign(fn(v.read_value()))``);
+* ``SafeVariable``: the same calls on a :class:`safevars.SafeVariable`; inside a graph
+  every write runs in the variable's ``tf.CriticalSection`` and bumps its version
+  variable (run-time mode);
+* ``threading.Lock``: the plain function called inside a hand-written ``with lock:``
+  (a Python lock cannot order ops *inside* a graph, so it is held around the call);
+* ``tf.CriticalSection``: every plain op wrapped in ``cs.execute`` inside the graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+import safevars
+from benchmarks.bench_eager import OPS, shape_of, size_label
+from benchmarks.case import Case, Context
+
+FAMILY = "graph"
+DESCRIPTION = (
+    "the same ops inside tf.function: SafeVariable vs plain, threading.Lock around the "
+    "call, tf.CriticalSection"
+)
+ORDER = 2
+
+OPS_PER_CALL = 8
+
+
+def _body(op: str, variable: Any, value: tf.Tensor, delta: tf.Tensor, one: tf.Tensor,
+          wrap: Callable[[Callable[[], Any]], Any]) -> Callable[[], Any]:
+    """A function doing ``OPS_PER_CALL`` times ``op`` on ``variable``, each through ``wrap``."""
+    def one_op() -> Any:
+        if op == "read":
+            return variable.read_value()
+        if op == "assign":
+            return variable.assign(value, read_value=False)
+        if op == "assign_add":
+            return variable.assign_add(delta, read_value=False)
+        if op == "update":
+            if isinstance(variable, safevars.SafeVariable):
+                return variable.update(lambda x: x + one)
+            new = variable.read_value() + one
+            variable.assign(new, read_value=False)
+            return new
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+
+    def body() -> Any:
+        outputs = [wrap(one_op) for _ in range(OPS_PER_CALL)]
+        # Return the reads so that nothing is pruned; writes are kept by auto-deps.
+        return [o for o in outputs if isinstance(o, tf.Tensor)]
+
+    return body
+
+
+def _section(cs: tf.CriticalSection) -> Callable[[Callable[[], Any]], Any]:
+    def wrap(fn: Callable[[], Any]) -> Any:
+        def returning_tensor() -> Any:
+            out = fn()
+            return out if isinstance(out, tf.Tensor) else tf.constant(True)
+
+        return cs.execute(returning_tensor)
+
+    return wrap
+
+
+def _direct(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+def sizes(ctx: Context) -> tuple[int, ...]:
+    """All of ``ctx.sizes``; with ``--quick`` only the smallest and the largest."""
+    if ctx.quick and len(ctx.sizes) > 2:
+        return (min(ctx.sizes), max(ctx.sizes))
+    return tuple(ctx.sizes)
+
+
+def cases(ctx: Context) -> list[Case]:
+    out = []
+    for size in sizes(ctx):
+        shape = shape_of(size)
+        with tf.device(ctx.device):
+            plain = tf.Variable(tf.zeros(shape), name="plain")
+            safe = safevars.SafeVariable(tf.zeros(shape), name="safe")
+            locked = tf.Variable(tf.zeros(shape), name="locked")
+            critical = tf.Variable(tf.zeros(shape), name="critical")
+            cs = tf.CriticalSection(name="bench_graph")
+            value = tf.fill(shape, 2.0)
+            delta = tf.ones(shape)
+            one = tf.constant(1.0)
+        lock = threading.Lock()
+        for op in OPS:
+            def function(variable: Any, wrap: Callable[[Callable[[], Any]], Any]) -> Any:
+                return tf.function(
+                    _body(op, variable, value, delta, one, wrap), autograph=False
+                )
+
+            plain_fn = function(plain, _direct)
+            safe_fn = function(safe, _direct)
+            locked_fn = function(locked, _direct)
+            critical_fn = function(critical, _section(cs))
+
+            def with_lock(locked_fn: Callable[[], Any] = locked_fn) -> Any:
+                with lock:
+                    return locked_fn()
+
+            out.append(Case(
+                family=FAMILY,
+                name=f"{op}/{size_label(size)}",
+                variants={
+                    "tf.Variable": plain_fn,
+                    "SafeVariable": safe_fn,
+                    "threading.Lock": with_lock,
+                    "tf.CriticalSection": critical_fn,
+                },
+                ops_per_call=OPS_PER_CALL,
+                params={"op": op, "size": size, "dtype": "float32",
+                        "ops_per_call": OPS_PER_CALL},
+            ))
+    return out

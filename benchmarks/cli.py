@@ -1,0 +1,180 @@
+"""The command line of ``python -m benchmarks``.
+
+Exit status: 0 when every selected family ran, 1 when a family or case failed (the others
+still ran and were written), 2 for a usage error (unknown ``--cases`` name, ``--device gpu``
+without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from benchmarks import devices, discovery, metadata, plots, report, runner, schema
+from benchmarks.timing import TimingSettings
+
+__all__ = ["main", "parser"]
+
+EPILOG = """\
+examples:
+  python -m benchmarks                      # full suite on the default device (GPU if any)
+  python -m benchmarks --quick              # the whole suite in under 45 s on a 2-core CPU
+  python -m benchmarks --cases eager,contention --out /tmp/bench
+  python -m benchmarks --device gpu         # fail unless TensorFlow sees a GPU
+  python -m benchmarks --cases distributed  # optional families run only when named
+"""
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser (its ``--help`` is the suite's reference)."""
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The cost of safety: safevars against plain tf.Variable, A/B "
+        "interleaved in one process, on the default device.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few rounds: the whole suite in under 45 s on "
+                   "a 2-core CPU")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                   help="where to place the variables (default: the GPU if TensorFlow "
+                   "sees one, else the CPU)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
+                   help="directory for results.json, results.md and the PNG plots "
+                   "(default: ./bench-results)")
+    p.add_argument("--cases", default=None, metavar="FAMILIES",
+                   help="comma-separated case families to run, or 'all' (default: every "
+                   "non-optional family; see --list)")
+    p.add_argument("--list", action="store_true", help="list the case families and exit")
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON schema of results.json and exit")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="timed rounds per case (default: 7 quick, 25 full)")
+    p.add_argument("--min-time", type=_positive_float, default=None, metavar="SECONDS",
+                   help="target duration of one timed batch (default: 0.004 quick, 0.03 "
+                   "full)")
+    p.add_argument("--warmup", type=_positive_float, default=None, metavar="SECONDS",
+                   help="warm-up per variant (default: 0.01 quick, 0.2 full)")
+    p.add_argument("--sizes", type=_positive_ints, default=None, metavar="N,N,...",
+                   help="element counts for size-parametrized cases (default: 1,1000,"
+                   "1000000, plus 16000000 on a GPU)")
+    p.add_argument("--threads", type=_positive_ints, default=None, metavar="N,N,...",
+                   help="thread counts for contention cases (default: 1,2,4,8)")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> TimingSettings:
+    base = TimingSettings.quick() if args.quick else TimingSettings.full()
+    return TimingSettings(
+        rounds=args.rounds if args.rounds is not None else base.rounds,
+        warmup_time=args.warmup if args.warmup is not None else base.warmup_time,
+        min_batch_time=args.min_time if args.min_time is not None else base.min_batch_time,
+        max_calls_per_batch=base.max_calls_per_batch,
+    )
+
+
+def _list(families: Sequence[discovery.FamilyInfo], out: TextIO) -> None:
+    width = max((len(f.name) for f in families), default=0)
+    for f in families:
+        flag = "" if f.default else " (optional: run with --cases " + f.name + ")"
+        problem = f"  [cannot load: {f.problem}]" if f.problem else ""
+        print(f"{f.name.ljust(width)}  {f.description}{flag}{problem}", file=out)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    gpus: Sequence[Any] | None = None,
+    families: Sequence[discovery.FamilyInfo] | None = None,
+    select_device: Callable[..., devices.DeviceChoice] = devices.select_device,
+) -> int:
+    """Runs the suite; returns the exit status (see the module docstring).
+
+    ``gpus``, ``families`` and ``select_device`` are for tests (fake GPUs, fake families).
+    """
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.schema:
+        print(json.dumps(schema.SCHEMA, indent=2), file=stdout)
+        return 0
+    known = list(families) if families is not None else discovery.discover()
+    if args.list:
+        _list(known, stdout)
+        return 0
+    try:
+        selected = discovery.select(known, args.cases)
+    except discovery.UnknownFamilyError as e:
+        p.error(str(e))
+    try:
+        choice = select_device(args.device, gpus=gpus)
+    except devices.DeviceUnavailableError as e:
+        print(f"error: {e}", file=stderr)
+        return 2
+    ctx = devices.make_context(choice, args.quick, sizes=args.sizes, threads=args.threads)
+    settings = _settings(args)
+    command = " ".join(["python -m benchmarks", *argv])
+    meta = metadata.collect(choice, args.quick, command=command)
+    print(
+        f"safevars benchmarks ({meta['mode']}) on {choice.kind.upper()} {choice.name} "
+        f"({choice.device}): {', '.join(f.name for f in selected) or 'no families'}",
+        file=stderr, flush=True,
+    )
+    results = runner.run_families(
+        selected, ctx, settings, progress=stderr,
+        device_sync=devices.device_sync_for(choice),
+    )
+    document = runner.build_document(meta, settings, ctx, results)
+    problems = schema.validate(document)
+    if problems:  # A bug in the runner: say so, still write what we have.
+        print("results.json does not match its schema:\n  " + "\n  ".join(problems[:20]),
+              file=stderr)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(document, out / "results.json")
+    written: list[Path] = []
+    if not args.no_plots:
+        try:
+            written = plots.write_plots(document, out, stderr)
+        except Exception as e:  # noqa: BLE001 - plots are a convenience; never fail the run
+            print(f"could not draw the plots ({type(e).__name__}: {e}); skipped.",
+                  file=stderr)
+    report.write_markdown(document, out / "results.md", [p.name for p in written])
+    print(report.text_table(document), file=stdout, end="", flush=True)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
+          + (f" and {len(written)} plot(s)" if written else ""), file=stderr)
+    failed = [f["name"] for f in results if f["status"] != "ok"]
+    if failed:
+        print(f"FAILED families: {', '.join(failed)} (see results.md)", file=stderr)
+    return 1 if failed or problems else 0

@@ -1,0 +1,183 @@
+"""Writing the results: the stdout table, ``results.md`` and ``results.json``.
+
+Columns (the same in the text and Markdown tables):
+
+* **case / variant**: what was timed; the first variant of a case is the baseline.
+* **median, min, max**: time per operation over the rounds (a call of a variant does
+  ``ops_per_call`` operations; every round times a batch of calls).
+* **ops/s**: operations per second at the median.
+* **x baseline**: median over the baseline's median, same run (above 1 is slower).
+* **notes**: extra figures of the last round (``lost_updates`` ...) and the case's goal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "format_seconds",
+    "markdown",
+    "table_rows",
+    "text_table",
+    "write_json",
+    "write_markdown",
+]
+
+HEADER = ("case", "variant", "median", "min", "max", "ops/s", "x baseline", "notes")
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``1.23 µs``, ``45.6 ms``... with three significant digits."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if seconds >= scale or unit == "ns":
+            return f"{seconds / scale:.3g} {unit}"
+    return "n/a"  # pragma: no cover
+
+
+def format_rate(rate: float) -> str:
+    """``12.3K``, ``4.56M``... operations per second."""
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if rate >= scale:
+            return f"{rate / scale:.3g}{suffix}"
+    return f"{rate:.3g}"
+
+
+def _goal_note(goal: dict[str, Any], variant: str) -> str:
+    if goal is None or goal["variant"] != variant:
+        return ""
+    if goal["ratio"] is None:
+        return f"goal <= {goal['max_ratio']:.2f}x {goal['reference']}: not measured"
+    verdict = "met" if goal["met"] else "NOT met"
+    return (
+        f"goal <= {goal['max_ratio']:.2f}x {goal['reference']}: "
+        f"{goal['ratio']:.3f}x, {verdict}"
+    )
+
+
+def _extra_note(extra: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in extra.items())
+
+
+def table_rows(family: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per (case, variant) of a family; a failed case is one row with its error."""
+    rows = []
+    for case in family["cases"]:
+        if case["status"] != "ok":
+            rows.append((case["name"], "FAILED", "", "", "", "", "", case["error"] or ""))
+            continue
+        for v in case["variants"]:
+            ratio = v["ratio_to_baseline"]
+            notes = "; ".join(
+                n for n in (_extra_note(v["extra"]), _goal_note(case["goal"], v["name"])) if n
+            )
+            rows.append((
+                case["name"],
+                v["name"],
+                format_seconds(v["per_op_median_s"]),
+                format_seconds(v["per_op_min_s"]),
+                format_seconds(v["per_op_max_s"]),
+                format_rate(v["ops_per_s"]),
+                "baseline" if v["baseline"] else ("n/a" if ratio is None else f"{ratio:.2f}"),
+                notes,
+            ))
+    return rows
+
+
+def _family_title(family: dict[str, Any]) -> str:
+    title = family["name"]
+    if family["description"]:
+        title += f": {family['description']}"
+    if family["status"] != "ok":
+        title += f"  [FAILED: {family['error']}]"
+    return title
+
+
+def _metadata_lines(document: dict[str, Any]) -> list[str]:
+    m = document["metadata"]
+    device = m["device"]
+    commit = m["git_commit"][:12] + (" (dirty)" if m["git_dirty"] else "")
+    return [
+        f"device: {device['kind'].upper()} {device['name']} ({device['tf_device']})",
+        f"TensorFlow {m['tensorflow_version']}, Python {m['python_version']}, "
+        f"{m['cpu_count']} CPUs, {m['platform']}",
+        f"commit {commit}, {m['date_utc']}, {m['mode']} run "
+        f"({document['settings']['rounds']} rounds)",
+        f"command: {m['command']}",
+    ]
+
+
+def text_table(document: dict[str, Any]) -> str:
+    """The plain-text results table printed on stdout."""
+    lines = _metadata_lines(document)
+    for family in document["families"]:
+        lines += ["", _family_title(family)]
+        rows = [HEADER, *table_rows(family)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+        for row in rows:
+            cells = [c.ljust(w) for c, w in zip(row, widths)] + [row[-1]]
+            lines.append("  ".join(cells).rstrip())
+    lines += ["", *_goal_lines(document["goals"])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _goal_lines(goals: Iterable[dict[str, Any]]) -> list[str]:
+    lines = []
+    for g in goals:
+        measured = "not measured" if g["ratio"] is None else (
+            f"{g['ratio']:.3f}x ({'met' if g['met'] else 'NOT met'})"
+        )
+        others = ", ".join(
+            f"{r:.2f}x {name}" for name, r in g["versus"].items() if name != g["reference"]
+        )
+        lines.append(
+            f"goal {g['family']}/{g['case']}: {g['variant']} over {g['reference']} "
+            f"<= {g['max_ratio']:.2f}x: {measured}"
+            + (f"; {g['variant']} = {others}" if others else "")
+        )
+    return lines
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(document: dict[str, Any], plots: Iterable[str] = ()) -> str:
+    """``results.md``: metadata, goals, one table per family, failures, plots."""
+    out = ["# safevars benchmark results", ""]
+    out += [f"- {line}" for line in _metadata_lines(document)]
+    goals = _goal_lines(document["goals"])
+    if goals:
+        out += ["", "## Goals", ""] + [f"- {line}" for line in goals]
+    for family in document["families"]:
+        out += ["", f"## {_md_cell(_family_title(family))}", ""]
+        out.append("| " + " | ".join(HEADER) + " |")
+        out.append("|" + "|".join(["---"] * 2 + ["---:"] * 5 + ["---"]) + "|")
+        for row in table_rows(family):
+            out.append("| " + " | ".join(_md_cell(c) for c in row) + " |")
+        if family["status"] != "ok" and family["traceback"]:
+            out += ["", "```", family["traceback"].rstrip(), "```"]
+    plots = list(plots)
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    out += [
+        "",
+        "Times are per operation; x baseline is the median over the baseline's median "
+        "in the same run (A/B interleaved, order rotated every round).",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def write_json(document: dict[str, Any], path: Path) -> None:
+    """Writes ``results.json`` (strict JSON: no NaN)."""
+    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def write_markdown(document: dict[str, Any], path: Path, plots: Iterable[str] = ()) -> None:
+    """Writes ``results.md``."""
+    path.write_text(markdown(document, plots), encoding="utf-8")
