@@ -1036,6 +1036,7 @@ _WRAPPERS: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
 
 def _install() -> None:
+    variable_module._direct_kernel_writes = False  # SafeVariable writes via the methods.
     for owner, name, factory in _patch_targets():
         original = owner.__dict__[name]
         cached = _WRAPPERS.get((owner, name))
@@ -1049,6 +1050,7 @@ def _uninstall() -> None:
     while _ORIGINALS:
         owner, name, original = _ORIGINALS.pop()
         setattr(owner, name, original)
+    variable_module._direct_kernel_writes = True
 
 
 def _activate(detector: _Detector) -> None:

@@ -39,8 +39,12 @@ import numpy as np
 import tensorflow as tf
 import wrapt
 from tensorflow.python.distribute import values as ds_values
-from tensorflow.python.framework import tensor_conversion_registry
-from tensorflow.python.ops import tensor_getitem_override
+from tensorflow.python.framework import ops, tensor_conversion_registry
+from tensorflow.python.ops import (
+    gen_resource_variable_ops,
+    resource_variable_ops,
+    tensor_getitem_override,
+)
 from tensorflow.python.util import object_identity
 
 from safevars.distribute import check_strategy, merge_context, merged_update, merged_write
@@ -71,6 +75,10 @@ def _guard_for(variable: tf.Variable, version: int = 0) -> Guard:
             weakref.finalize(variable, _GUARDS.pop, key, None)
         return guard
 
+
+# safevars.audit() watches ResourceVariable's methods; while an audit is active, writes
+# take those methods instead of calling the kernels directly (the audit flips this).
+_direct_kernel_writes = True
 
 _SCATTER_METHODS = (
     "scatter_add",
@@ -137,6 +145,20 @@ class SafeVariable(wrapt.ObjectProxy):
         self._self_static_shape = _static_shape(variable)
         self._self_dtype = variable.dtype
         self._self_mirrored = isinstance(variable, ds_values.DistributedVariable)
+        # A Python number the op converts itself (float32 <- float, int32 <- int).
+        self._self_number_kind = {tf.float32: float, tf.int32: int}.get(variable.dtype)
+        # For a plain eager resource variable the write kernels are called directly:
+        # ResourceVariable.assign* adds only graph bookkeeping that is empty eagerly, and
+        # its Python cost would dominate a scalar write (see the eager benchmark).
+        plain = (
+            type(variable) is resource_variable_ops.ResourceVariable
+            and variable._cached_value is None
+            and isinstance(variable.handle, ops.EagerTensor)
+        )
+        self._self_handle = variable.handle if plain else None
+        self._self_validate_shape = bool(
+            plain and variable._validate_shape and variable.shape.is_fully_defined()
+        )
 
     # ------------------------------------------------------------------ identity
 
@@ -221,14 +243,10 @@ class SafeVariable(wrapt.ObjectProxy):
         """
         dtype = self._self_dtype
         expected = self._self_static_shape
-        kind = type(value)
-        if (kind is float and dtype.is_floating) or (
-            kind is int and (dtype.is_floating or dtype.is_integer)
-        ):
-            if expected == ():
-                # v.assign_add(1.0): the op converts a Python number more cheaply than
-                # tf.convert_to_tensor does, and TensorFlow range-checks integers.
-                return value
+        if type(value) is self._self_number_kind and expected == ():
+            # v.assign_add(1.0): the op converts a Python number (to float32 or int32,
+            # the variable's dtype here) more cheaply than tf.convert_to_tensor does.
+            return value
         if isinstance(value, tf.Tensor) and value.dtype == dtype:
             tensor = value
         else:
@@ -283,6 +301,12 @@ class SafeVariable(wrapt.ObjectProxy):
             return merged_write(
                 ctx, wrapped, lambda v: self.assign(v, use_locking, name, read_value), tensor
             )
+        handle = self._self_handle
+        if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
+            self._self_guard.call_locked(
+                lambda: gen_resource_variable_ops.assign_variable_op(handle, tensor, name=name, validate_shape=self._self_validate_shape)
+            )
+            return self if read_value else None
         return self._write(
             lambda: wrapped.assign(tensor, use_locking, name, read_value=False), read_value
         )
@@ -299,6 +323,12 @@ class SafeVariable(wrapt.ObjectProxy):
             return merged_write(
                 ctx, wrapped, lambda v: self.assign_add(v, use_locking, name, read_value), tensor
             )
+        handle = self._self_handle
+        if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
+            self._self_guard.call_locked(
+                lambda: gen_resource_variable_ops.assign_add_variable_op(handle, tensor, name=name)
+            )
+            return self if read_value else None
         return self._write(
             lambda: wrapped.assign_add(tensor, use_locking, name, read_value=False),
             read_value,
@@ -316,6 +346,12 @@ class SafeVariable(wrapt.ObjectProxy):
             return merged_write(
                 ctx, wrapped, lambda v: self.assign_sub(v, use_locking, name, read_value), tensor
             )
+        handle = self._self_handle
+        if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
+            self._self_guard.call_locked(
+                lambda: gen_resource_variable_ops.assign_sub_variable_op(handle, tensor, name=name)
+            )
+            return self if read_value else None
         return self._write(
             lambda: wrapped.assign_sub(tensor, use_locking, name, read_value=False),
             read_value,
@@ -392,9 +428,16 @@ class SafeVariable(wrapt.ObjectProxy):
 
         if tf.executing_eagerly():
 
+            handle = self._self_handle if _direct_kernel_writes else None
+
             def read_modify_write() -> list[tf.Tensor]:
                 results = apply_in_order()
-                wrapped.assign(results[-1], read_value=False)
+                if handle is not None:
+                    gen_resource_variable_ops.assign_variable_op(
+                        handle, results[-1], validate_shape=self._self_validate_shape
+                    )
+                else:
+                    wrapped.assign(results[-1], read_value=False)
                 return results
 
             return guard.call_locked(read_modify_write, writes=len(fns))

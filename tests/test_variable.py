@@ -161,3 +161,20 @@ class TestBadInput:
         assert issubclass(safevars.DTypeMismatchError, TypeError)
         assert issubclass(safevars.LockReentryError, RuntimeError)
         assert issubclass(safevars.NotCallableError, TypeError)
+
+
+@pytest.mark.parametrize(
+    "dtype, delta", [(tf.float64, 1.0), (tf.float64, 1), (tf.int64, 1), (tf.int32, 1),
+                     (tf.float16, 1.0), (tf.float32, 1)],
+)
+def test_python_number_writes_keep_the_variable_dtype(dtype, delta, mode):
+    v = SafeVariable(tf.constant(5, dtype))
+    mode(lambda: (v.assign_add(delta), v.assign_sub(delta), v.assign_add(delta)))()
+    assert v.dtype == dtype and float(v.numpy()) == 6.0 and v.version == 3
+
+
+def test_unknown_shape_variable_accepts_any_shape(mode):
+    v = SafeVariable([1.0], shape=tf.TensorShape(None))
+    mode(lambda: v.assign([1.0, 2.0, 3.0]))()
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0, 3.0])
+    assert v.version == 1
