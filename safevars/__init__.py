@@ -1,5 +1,6 @@
 """safevars: TensorFlow variables that are safe to share between threads, graphs and replicas."""
 
+from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
 from safevars.audit import AuditReport, Race, audit
 from safevars.errors import (
     AccumulatorTimeoutError,
@@ -24,9 +25,11 @@ from safevars.variable import SafeVariable, wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulatorStatistics",
     "AuditReport",
     "AccumulatorTimeoutError",
     "DTypeMismatchError",
+    "GradientAccumulator",
     "InvalidArgumentError",
     "LockOrderError",
     "LockReentryError",

@@ -1,0 +1,1247 @@
+"""GradientAccumulator: thread-safe, deterministic accumulation of gradients.
+
+The problem: accumulating gradients from several threads, micro-batches or replicas is a
+read-modify-write per step (Keras 3's ``gradient_accumulation_steps`` reads the
+accumulator, adds and assigns), so concurrent steps lose contributions; and a float32
+running sum depends on the order contributions arrive in, so two runs that saw the same
+gradients in a different order differ in their last bits (and then diverge).
+
+The fix: :class:`GradientAccumulator` commits each ``add`` in one critical section (a
+:class:`~safevars.locking.Guard`: a Python lock eagerly, a ``tf.CriticalSection`` once
+used in a ``tf.function``), so ``add``, ``take`` and ``reset`` are atomic with respect
+to each other. With ``deterministic=True`` (the default) the result is a function of the
+*set* of contributions only, so the order of arrival cannot change a single bit.
+
+How determinism is achieved (``deterministic=True``):
+  ``add`` stores each contribution as one float32 row of a ``[capacity, elements]``
+  buffer (float16 and bfloat16 widen to float32 exactly), at the next free row: one
+  copy, no arithmetic. ``take`` reduces the pending rows with a two-level *reproducible
+  summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point Summation",
+  ARITH 2013): for each element, with ``M`` the largest magnitude among its values (a
+  maximum does not depend on order), every value is split exactly into a multiple of a
+  grid ``q1`` derived from ``M`` and the count, a multiple of a finer grid ``q2`` and a
+  remainder below ``q2``. The multiples are integers small enough that their float64
+  sums are exact in any order; the remainders (below ``2**-87 * M`` in total for up to
+  64 contributions) are dropped. ``sum1 * q1 + sum2 * q2`` is then rounded once, divided
+  by the count once and rounded once to the variable's dtype. Every step is exact or a
+  single IEEE rounding, so the result depends only on the multiset of contributions,
+  not on their order, their rows, the summation order TensorFlow or XLA picks, or the
+  device; and it is within float32 rounding of the exact mean unless the contributions
+  cancel to below about ``2**-60`` of their largest value. The reduction is compiled
+  with XLA (``jit_compile=True``), which fuses its passes; XLA does not change the
+  result.
+
+Memory cost of ``deterministic=True``: **4 bytes per element per buffered contribution**,
+that is K float32 copies of the gradients to accumulate K micro-batches (a running sum
+needs one). The buffer starts with ``max(num_required, 4)`` rows, doubles when an
+``add`` finds it full and keeps its size after ``take``. ``take`` copies the pending
+rows once and reduces them in O(K) per element. With ``deterministic=False`` the state
+is one float32 (float64 for float64 variables) running sum per element, contributions
+are added in arrival order and the last bits may depend on that order.
+
+NOTES:
+  What is *not* guaranteed:
+
+  * ``deterministic=True`` covers float16, bfloat16 and float32 variables; float64
+    variables need ``deterministic=False``. TensorFlow flushes float32 subnormals to
+    zero on CPU; so does the accumulator.
+  * Staleness is judged against the variables' versions when the contribution is
+    committed; a concurrent optimizer step may commit a moment later. The decision is
+    exact for the accumulator's own version (the number of ``take`` calls).
+  * The buffer does not shrink: a burst of adds without ``take`` keeps its memory.
+  * ``take`` of a deterministic accumulator runs an XLA-compiled function; TensorFlow
+    builds without XLA's JIT cannot run it.
+  * Under ``tf.distribute`` only strategies with ``merge_call`` semantics (Mirrored,
+    OneDevice, the default) are supported here; multi-worker and parameter-server
+    strategies are covered by :mod:`safevars.distribute`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
+from tensorflow.python.util import nest  # flatten_up_to (not in tf.nest)
+
+from safevars.errors import (
+    AccumulatorTimeoutError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    ShapeMismatchError,
+    StaleGradientError,
+)
+from safevars.locking import Guard, graph_section, hold
+from safevars.snapshot import Snapshot
+
+__all__ = ["AccumulatorStatistics", "GradientAccumulator"]
+
+_MIN_ROWS = 4
+_LN2 = float(np.log(2.0))
+
+# Counter positions in the int64 counters variable.
+_PENDING, _ADDED, _DROPPED, _REJECTED, _SCALED, _TAKEN, _TAKES, _DISCARDED = range(8)
+_NUM_COUNTERS = 8
+
+_REDUCTIONS = ("mean", "sum")
+_STALE_POLICIES = ("drop", "raise", "scale")
+_NONFINITE_POLICIES = ("propagate", "raise", "skip")
+_NARROW_FLOATS = (tf.float16, tf.bfloat16, tf.float32)
+_POLL_SECONDS = 0.05
+
+
+class AccumulatorStatistics(NamedTuple):
+    """A frozen record of what an accumulator has seen (see ``statistics()``).
+
+    Invariant: ``added == pending + taken + discarded``.
+
+    Attributes:
+      pending: Contributions accumulated and not yet taken (``count``).
+      added: Contributions accumulated since construction (or the checkpoint).
+      dropped_stale: Contributions dropped as stale (``on_stale="drop"``).
+      rejected: Contributions skipped as non-finite (``nonfinite="skip"``).
+      scaled: Accumulated contributions that were scaled down as stale.
+      taken: Contributions handed out by ``take``.
+      takes: Calls of ``take`` that took something (also the accumulator's version).
+      discarded: Contributions thrown away by ``reset``.
+    """
+
+    pending: int | tf.Tensor
+    added: int | tf.Tensor
+    dropped_stale: int | tf.Tensor
+    rejected: int | tf.Tensor
+    scaled: int | tf.Tensor
+    taken: int | tf.Tensor
+    takes: int | tf.Tensor
+    discarded: int | tf.Tensor
+
+
+class _Slot(NamedTuple):
+    """One variable's place in the flat state."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    size: int
+    offset: int
+    dtype: tf.DType
+    guard: Guard | None
+
+
+class _Part(NamedTuple):
+    """One contribution, ready to commit (all tensors computed outside the lock).
+
+    ``values`` is a flat float32 (or float64) vector; ``elements`` holds the element
+    each value belongs to, or is None when ``values`` covers every element in order
+    (always the case for deterministic accumulators, which store whole rows).
+    """
+
+    elements: tf.Tensor | None
+    values: tf.Tensor
+    finite: bool | tf.Tensor
+    version_kind: str
+    version: Any
+
+
+class _Helpers:
+    """Untracked holder of the model variables, their structure and eager helpers."""
+
+    def __init__(self, variables: list[Any], structure: Any) -> None:
+        self.variables = variables
+        self.structure = structure
+        self.prepare: Callable[..., Any] | None = None
+        self.finish: Callable[..., Any] | None = None
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates gradients from threads, micro-batches or replicas; thread-safe.
+
+    Example::
+
+        acc = safevars.GradientAccumulator(model.trainable_variables, num_required=4)
+        # in each of 4 worker threads, or for each of 4 micro-batches:
+        acc.add(tape.gradient(loss, model.trainable_variables))
+        # in the trainer:
+        optimizer.apply(acc.take(timeout=60), model.trainable_variables)
+
+    Args:
+      variables: The variables the gradients are for: a ``tf.Variable``,
+        ``keras.Variable`` or :class:`~safevars.SafeVariable`, or a (nested) list,
+        tuple or dict of them. Shapes must be fully defined; dtypes float16, bfloat16,
+        float32 (and float64 with ``deterministic=False``).
+      reduction: "mean" (sum divided by the number of contributions) or "sum".
+      num_required: If set, an eager ``take`` waits until this many contributions are
+        pending (see :meth:`take`).
+      max_staleness: If set, a contribution computed from parameters more than this many
+        versions old is handled by ``on_stale``.
+      on_stale: "drop" (counted in ``statistics().dropped_stale``), "raise"
+        (:class:`~safevars.StaleGradientError`, nothing accumulated) or "scale" (the
+        contribution is multiplied by ``1 / (staleness + 1)``, after Zhang et al.,
+        "Staleness-aware Async-SGD", 2016; with ``max_staleness=0`` every late
+        contribution is scaled, which is their rule). The mean still divides by the
+        number of contributions.
+      deterministic: If True, keep every pending contribution (4 bytes per element each)
+        and reduce them in a canonical order at ``take``: the result is bitwise identical
+        whatever order they arrive in. If False, a float32 running sum (4 bytes per
+        element in all), order-dependent in its last bits.
+      nonfinite: What to do with a contribution holding NaN or Inf: "propagate" (the
+        default: accumulate it, as IEEE addition would), "raise"
+        (:class:`~safevars.NonFiniteGradientError`, nothing accumulated) or "skip"
+        (counted in ``statistics().rejected``).
+      name: Name of the module and prefix of its state variables.
+
+    Raises:
+      InvalidArgumentError: an argument is out of range, or ``variables`` is empty or
+        holds something that is not a variable with a fully defined shape.
+      DTypeMismatchError: a variable's dtype is not supported (see ``deterministic``).
+
+    Thread safety:
+      ``add``, ``take``, ``take_if_ready`` and ``reset`` are atomic with respect to each
+      other in every thread, eagerly and inside ``tf.function``s: a contribution is taken
+      exactly once or discarded by ``reset``, never lost or counted twice. The gradient
+      arithmetic of ``add`` and the reduction of ``take`` run outside the lock; only the
+      commit (a row copy or an ``assign_add``) and the read of the pending rows hold it.
+
+    Modes:
+      Eagerly, the lock is a Python lock and errors are raised before anything changes.
+      Inside a ``tf.function``, state changes run inside a ``tf.CriticalSection`` (from
+      then on eager calls take the same mutex), and checks that depend on tensor values
+      (staleness with ``on_stale="raise"``, ``nonfinite="raise"``, sparse indices,
+      ``num_required`` in ``take``) fail when the graph runs, with a
+      ``tf.errors.InvalidArgumentError`` whose message names the safevars error; nothing
+      of that call is accumulated. Inside ``strategy.run`` every replica's contribution
+      counts once; the state is one non-distributed copy, so ``take`` returns the
+      cross-replica reduction.
+
+    State (the buffered contributions or running sum, and the counters) is
+    checkpointable: ``tf.train.Checkpoint(accumulator=acc)`` saves it, and resuming
+    after a restore gives the same result as not stopping.
+    """
+
+    def __init__(
+        self,
+        variables: Any,
+        *,
+        reduction: str = "mean",
+        num_required: int | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "drop",
+        deterministic: bool = True,
+        nonfinite: str = "propagate",
+        name: str = "gradient_accumulator",
+    ) -> None:
+        super().__init__(name=name)
+        _check_choice("reduction", reduction, _REDUCTIONS)
+        _check_choice("on_stale", on_stale, _STALE_POLICIES)
+        _check_choice("nonfinite", nonfinite, _NONFINITE_POLICIES)
+        _check_count("num_required", num_required, minimum=1)
+        _check_count("max_staleness", max_staleness, minimum=0)
+        if not isinstance(deterministic, bool):
+            raise InvalidArgumentError(
+                f"deterministic must be True or False, got {_short(deterministic)}."
+            )
+        self._reduction = reduction
+        self._num_required = num_required
+        self._max_staleness = max_staleness
+        self._on_stale = on_stale
+        self._deterministic = deterministic
+        self._nonfinite = nonfinite
+
+        leaves = tf.nest.flatten(variables)
+        if not leaves:
+            raise InvalidArgumentError(
+                "variables must hold at least one variable, got an empty structure."
+            )
+        slots: list[_Slot] = []
+        for index, variable in enumerate(leaves):
+            slots.append(_slot(index, variable, sum(s.size for s in slots)))
+        # Python structures live in an untracked holder: tf.Module would wrap them.
+        self._helpers = _Helpers(leaves, tf.nest.map_structure(lambda _: 0, variables))
+        self._slots = tuple(slots)
+        self._size = sum(s.size for s in slots)
+        if any(s.dtype == tf.float64 for s in self._slots):
+            if deterministic:
+                names = [s.name for s in self._slots if s.dtype == tf.float64]
+                raise DTypeMismatchError(
+                    f"deterministic=True supports float16, bfloat16 and float32 "
+                    f"variables; {names} are float64. Pass deterministic=False to "
+                    "accumulate them in float64 (in arrival order)."
+                )
+            self._sum_dtype = tf.float64
+        else:
+            self._sum_dtype = tf.float32
+
+        device = getattr(leaves[0], "device", "") or ""
+        prefix = name
+        with tf.init_scope(), tf.device(device):
+            # Direct ResourceVariable construction bypasses distribution strategies'
+            # variable creators: the state is one copy even under strategy.scope().
+            if deterministic:
+                rows = max(num_required or 0, _MIN_ROWS)
+                self._state = resource_variable_ops.ResourceVariable(
+                    tf.zeros([rows, self._size], tf.float32), trainable=False,
+                    name=f"{prefix}_rows", shape=tf.TensorShape([None, self._size]),
+                )
+            else:
+                self._state = resource_variable_ops.ResourceVariable(
+                    tf.zeros([self._size], self._sum_dtype), trainable=False,
+                    name=f"{prefix}_sum",
+                )
+            self._counters = resource_variable_ops.ResourceVariable(
+                tf.zeros([_NUM_COUNTERS], tf.int64), trainable=False,
+                name=f"{prefix}_counters",
+            )
+            self._guard = Guard(self._state)
+        self._arrived = threading.Condition()
+        self._arrivals = 0
+        helpers = self._helpers
+        helpers.prepare = tf.function(
+            self._prepare_math, autograph=False, reduce_retracing=True
+        )
+        helpers.finish = tf.function(
+            self._finish_math, autograph=False, reduce_retracing=True,
+            jit_compile=deterministic,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def reduction(self) -> str:
+        """ "mean" or "sum"."""
+        return self._reduction
+
+    @property
+    def num_required(self) -> int | None:
+        """How many contributions an eager ``take`` waits for (None: no waiting)."""
+        return self._num_required
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether results are bitwise independent of the order of arrival."""
+        return self._deterministic
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of accumulation state now (eager).
+
+        Deterministic: 4 × buffer rows per element (rows >= the most contributions ever
+        pending at once, at least ``max(num_required, 4)``). Otherwise 4 (8 for float64)
+        per element.
+        """
+        return int(np.prod(self._rows_shape().numpy())) * self._state.dtype.size
+
+    @property
+    def count(self) -> int | tf.Tensor:
+        """Contributions pending (accumulated and not yet taken).
+
+        Returns:
+          Eagerly an ``int``; inside a ``tf.function`` an int64 scalar tensor.
+
+        Thread safety: a consistent value (one read of the counters), possibly stale by
+        the time the caller uses it; use :meth:`take_if_ready` to act on it atomically.
+        """
+        value = self._counters[_PENDING]
+        return int(value) if tf.executing_eagerly() else value
+
+    @property
+    def version(self) -> int | tf.Tensor:
+        """The parameter version an ``int`` version given to :meth:`add` is compared with.
+
+        The largest ``.version`` among the SafeVariables in ``variables`` (an optimizer
+        step adds 1 to each), or, when none is a SafeVariable, the number of ``take``
+        calls that took something so far (``statistics().takes``).
+
+        Returns:
+          Eagerly an ``int``; inside a ``tf.function`` an int64 scalar tensor.
+        """
+        return self._version_now()
+
+    def statistics(self) -> AccumulatorStatistics:
+        """A frozen :class:`AccumulatorStatistics` record, read at one instant.
+
+        Thread safety: all fields belong to the same instant (read under the lock).
+
+        Modes: eagerly Python ``int`` fields; inside a ``tf.function`` int64 tensors
+        read inside the critical section.
+        """
+        if tf.executing_eagerly():
+            with hold([self._guard]):
+                values = self._counters.numpy().tolist()
+            return AccumulatorStatistics(*values)
+        counters = graph_section([self._guard], self._counters.read_value)
+        return AccumulatorStatistics(*tf.unstack(counters))
+
+    def __repr__(self) -> str:
+        kind = "deterministic" if self._deterministic else "float"
+        pending = self.count if tf.executing_eagerly() else "?"
+        return (
+            f"<safevars.GradientAccumulator {self.name!r} variables={len(self._slots)} "
+            f"elements={self._size} reduction={self._reduction} {kind} pending={pending}>"
+        )
+
+    # ------------------------------------------------------------------ add
+
+    def add(self, gradients: Any, *, version: Any = None) -> int | tf.Tensor:
+        """Adds one contribution (one gradient per variable), atomically.
+
+        Args:
+          gradients: Same structure as ``variables``. Each entry is a dense tensor (or
+            array) of the variable's shape, a ``tf.IndexedSlices`` (embedding gradients;
+            duplicate indices add up), or ``None`` (no gradient: adds zeros for that
+            variable). Dtypes float16, bfloat16 or float32 (float64 only for float64
+            variables); they are accumulated in float32. In cross-replica context a
+            ``PerReplica`` result of ``strategy.run`` adds one contribution per replica.
+          version: What the gradients were computed from, for the staleness check: None
+            (never stale), an ``int`` compared with :attr:`version`, or the structure of
+            ``variables`` holding ``safevars.Snapshot`` objects or per-variable ints
+            (each compared with its SafeVariable's ``.version``; the staleness is the
+            largest lag). Ignored without ``max_staleness``.
+
+        Returns:
+          The number of contributions accumulated by this call: 1, or 0 if it was
+          dropped as stale or skipped as non-finite; inside ``strategy.run`` the number
+          over all replicas. Eagerly an ``int``, in a ``tf.function`` an int64 tensor.
+
+        Raises:
+          InvalidArgumentError: ``gradients`` does not match ``variables`` in structure,
+            a sparse gradient's indices are out of range, or ``version`` is malformed.
+          ShapeMismatchError: a gradient's shape differs from its variable's.
+          DTypeMismatchError: a gradient's dtype is not accepted.
+          StaleGradientError: ``on_stale="raise"`` and the contribution is too stale.
+          NonFiniteGradientError: ``nonfinite="raise"`` and a gradient holds NaN or Inf.
+          Nothing of a call that raises is accumulated and no statistic changes.
+
+        Thread safety: the staleness decision and the commit of the contribution and of
+        the statistics form one atomic step with respect to ``add``, ``take`` and
+        ``reset`` in every thread and running graph.
+
+        Modes: eager, inside ``tf.function`` (the commit runs in the critical section)
+        and inside ``strategy.run`` (one ``merge_call``: the replicas' contributions are
+        committed together, in replica order).
+        """
+        replica = _replica_context()
+        if replica is not None:
+            part = self._prepare(gradients, version)
+            return replica.merge_call(self._merge_add, args=(tuple(part),))
+        return self._commit([self._prepare(g, version) for g in _per_replica(gradients)])
+
+    def _merge_add(self, strategy: tf.distribute.Strategy, part: tuple) -> Any:
+        replicas = strategy.num_replicas_in_sync
+        fields = [_local_values(x, replicas) for x in part]
+        parts = [_Part(*(f[r] for f in fields)) for r in range(replicas)]
+        return self._commit(parts)
+
+    def _prepare(self, gradients: Any, version: Any) -> _Part:
+        """Validates one contribution and computes its tensors (outside the lock)."""
+        try:
+            leaves = nest.flatten_up_to(self._helpers.structure, gradients, check_types=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"gradients must have the structure of the variables "
+                f"({len(self._slots)} entries: {[s.name for s in self._slots]}); got "
+                f"{_short(gradients)} ({e})."
+            ) from None
+        entries = tuple(self._entry(slot, g) for slot, g in zip(self._slots, leaves))
+        version_kind, version_value = self._normalize_version(version)
+        eager = tf.executing_eagerly()
+        math = self._helpers.prepare if eager else self._prepare_math
+        elements, values, finite, in_range = math(entries)
+        if in_range is not None:
+            if eager:
+                bad = [i for i, ok in enumerate(in_range.numpy().tolist()) if not ok]
+                if bad:
+                    slot = self._slots[_sparse_slot(entries, bad[0])]
+                    raise InvalidArgumentError(
+                        f"the tf.IndexedSlices gradient for {slot.name!r} has indices "
+                        f"outside [0, {slot.shape[0]}), the variable's first dimension."
+                    )
+            else:
+                check = tf.debugging.Assert(
+                    tf.reduce_all(in_range),
+                    ["safevars InvalidArgumentError: a tf.IndexedSlices gradient has "
+                     "indices outside its variable's first dimension."],
+                )
+                elements, values = _after(check, (elements, values))
+        if self._nonfinite == "propagate":
+            finite = True
+        elif eager:
+            finite = bool(finite)
+            if not finite and self._nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    "a gradient holds NaN or Inf (nonfinite='raise'); nothing was "
+                    "accumulated. Pass nonfinite='skip' to drop such contributions."
+                )
+        elif self._nonfinite == "raise":
+            check = tf.debugging.Assert(
+                finite, ["safevars NonFiniteGradientError: a gradient holds NaN or Inf "
+                         "(nonfinite='raise'); nothing was accumulated."],
+            )
+            elements, values = _after(check, (elements, values))
+            finite = True
+        return _Part(elements, values, finite, version_kind, version_value)
+
+    def _entry(self, slot: _Slot, gradient: Any) -> tuple | None:
+        """A validated (kind, tensors...) tuple for one gradient, or None."""
+        if gradient is None:
+            return None
+        if isinstance(gradient, tf.distribute.DistributedValues):
+            raise InvalidArgumentError(
+                f"the gradient for {slot.name!r} is a {type(gradient).__name__}; pass "
+                "either the whole PerReplica structure in cross-replica context or each "
+                "replica's own gradients inside strategy.run."
+            )
+        if isinstance(gradient, tf.IndexedSlices):
+            return self._sparse_entry(slot, gradient)
+        tensor = self._as_tensor(slot, gradient, "gradient")
+        expected = tf.TensorShape(slot.shape)
+        if not tensor.shape.is_compatible_with(expected):
+            raise ShapeMismatchError(
+                f"the gradient for {slot.name!r} has shape {tensor.shape} but the variable "
+                f"has shape {list(slot.shape)}."
+            )
+        if not tensor.shape.is_fully_defined():
+            tensor = tf.ensure_shape(tensor, expected)
+        return ("dense", tensor)
+
+    def _sparse_entry(self, slot: _Slot, gradient: tf.IndexedSlices) -> tuple:
+        if not slot.shape:
+            raise ShapeMismatchError(
+                f"a tf.IndexedSlices gradient was given for the scalar variable "
+                f"{slot.name!r}; sparse gradients need a variable of rank >= 1."
+            )
+        values = self._as_tensor(slot, gradient.values, "IndexedSlices values")
+        row = tf.TensorShape(slot.shape[1:])
+        if values.shape.rank is not None and not values.shape[1:].is_compatible_with(row):
+            raise ShapeMismatchError(
+                f"the tf.IndexedSlices gradient for {slot.name!r} has values of shape "
+                f"{values.shape}; rows must have shape {list(slot.shape[1:])}."
+            )
+        dense_shape = gradient.dense_shape
+        if dense_shape is not None:
+            static = tf.get_static_value(dense_shape)
+            if static is not None and tuple(int(d) for d in static) != slot.shape:
+                raise ShapeMismatchError(
+                    f"the tf.IndexedSlices gradient for {slot.name!r} has dense_shape "
+                    f"{list(static)} but the variable has shape {list(slot.shape)}."
+                )
+        try:
+            indices = tf.convert_to_tensor(gradient.indices)
+        except (TypeError, ValueError):
+            indices = None
+        if indices is None or indices.dtype not in (tf.int32, tf.int64) or (
+            indices.shape.rank is not None and indices.shape.rank != 1
+        ):
+            raise InvalidArgumentError(
+                f"the tf.IndexedSlices gradient for {slot.name!r} needs 1-D int32/int64 "
+                f"indices, got {_short(gradient.indices)}."
+            )
+        return ("sparse", values, indices)
+
+    def _as_tensor(self, slot: _Slot, value: Any, what: str) -> tf.Tensor:
+        allowed = _NARROW_FLOATS + ((tf.float64,) if slot.dtype == tf.float64 else ())
+        if not isinstance(value, tf.Tensor):
+            try:
+                value = tf.convert_to_tensor(value, dtype=slot.dtype)
+            except (TypeError, ValueError) as e:
+                raise DTypeMismatchError(
+                    f"the {what} for {slot.name!r} ({_short(value)}) does not convert to "
+                    f"the variable's dtype {slot.dtype.name} ({e})."
+                ) from None
+        if value.dtype not in allowed:
+            raise DTypeMismatchError(
+                f"the {what} for {slot.name!r} has dtype {value.dtype.name}; accepted: "
+                f"{[d.name for d in allowed]} (accumulated in "
+                f"{self._sum_dtype.name}). Cast it first."
+            )
+        return value
+
+    def _normalize_version(self, version: Any) -> tuple[str, Any]:
+        if version is None or self._max_staleness is None:
+            return "none", None
+        if _is_int_version(version):
+            return "int", _version_value(version, "version")
+        try:
+            leaves = nest.flatten_up_to(self._helpers.structure, version, check_types=False)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                "version must be None, an int (compared with accumulator.version) or the "
+                "structure of the variables holding Snapshots or ints; got "
+                f"{_short(version)}."
+            ) from None
+        values = []
+        for slot, leaf in zip(self._slots, leaves):
+            if slot.guard is None:
+                raise InvalidArgumentError(
+                    f"per-variable versions need SafeVariables, but {slot.name!r} is a "
+                    "plain variable. Wrap the variables with safevars.wrap(), or pass an "
+                    "int version compared with accumulator.version."
+                )
+            leaf = leaf.version if isinstance(leaf, Snapshot) else leaf
+            values.append(_version_value(leaf, f"version for {slot.name!r}"))
+        return "each", tuple(values)
+
+    def _prepare_math(self, entries: tuple) -> tuple:
+        """Flat values (and element ids if sparse) and the checks of one contribution.
+
+        Deterministic accumulators store whole rows, so sparse gradients are made dense
+        here (duplicate indices summed in index order: a function of the contribution).
+        """
+        by_element = not self._deterministic and any(
+            e is not None and e[0] == "sparse" for e in entries
+        )
+        values_list, elements_list, in_range = [], [], []
+        for slot, entry in zip(self._slots, entries):
+            if entry is None:
+                if not by_element:
+                    values_list.append(tf.zeros([slot.size], self._sum_dtype))
+                continue
+            if entry[0] == "dense":
+                values_list.append(tf.reshape(tf.cast(entry[1], self._sum_dtype), [-1]))
+                if by_element:
+                    elements_list.append(
+                        tf.range(slot.offset, slot.offset + slot.size, dtype=tf.int64)
+                    )
+                continue
+            _, rows, indices = entry
+            rows = tf.cast(rows, self._sum_dtype)
+            indices = tf.cast(indices, tf.int64)
+            valid = (indices >= 0) & (indices < slot.shape[0])
+            in_range.append(tf.reduce_all(valid))
+            if not by_element:
+                # Out-of-range ids (refused by the check above) become -1, which the
+                # segment sum drops, so the check and not this op reports them.
+                ids = tf.where(valid, indices, tf.constant(-1, tf.int64))
+                dense = tf.math.unsorted_segment_sum(rows, ids, slot.shape[0])
+                values_list.append(tf.reshape(dense, [-1]))
+                continue
+            row_size = slot.size // slot.shape[0]
+            starts = slot.offset + indices * row_size
+            elements_list.append(
+                tf.reshape(starts[:, None] + tf.range(row_size, dtype=tf.int64)[None], [-1])
+            )
+            values_list.append(tf.reshape(rows, [-1]))
+        values = tf.concat(values_list, 0) if values_list else tf.zeros([0], self._sum_dtype)
+        elements = None
+        if by_element:
+            elements = tf.concat(elements_list, 0) if elements_list else tf.zeros([0], tf.int64)
+        finite = (
+            tf.reduce_all(tf.math.is_finite(values)) if self._nonfinite != "propagate" else None
+        )
+        checks = tf.stack(in_range) if in_range else None
+        return elements, values, finite, checks
+
+    # ------------------------------------------------------------------ commit
+
+    def _commit(self, parts: list[_Part]) -> int | tf.Tensor:
+        """Decides and commits contributions in one critical section."""
+        if not tf.executing_eagerly():
+            return graph_section([self._guard], lambda: self._commit_body(parts))
+        with hold([self._guard]):
+            accepted = self._commit_body(parts)
+        if accepted:
+            with self._arrived:
+                self._arrivals += 1
+                self._arrived.notify_all()
+        return int(accepted)
+
+    def _commit_body(self, parts: list[_Part]) -> int | tf.Tensor:
+        """The state change of ``add``. Runs with the lock held (eager or graph)."""
+        eager = tf.executing_eagerly()
+        checks: list[Any] = []
+        kept: list[tuple[_Part, Any, Any, Any]] = []  # (part, accept, scale, staleness)
+        accepted, dropped, rejected, scaled = [], [], [], []
+        for part in parts:
+            staleness = self._staleness(part)
+            stale: Any = False
+            if staleness is not None:
+                stale = staleness > self._max_staleness
+            if self._on_stale == "raise" and staleness is not None:
+                if eager and stale:
+                    raise StaleGradientError(
+                        f"the gradients are {staleness} versions old (max_staleness="
+                        f"{self._max_staleness}); nothing was accumulated. Recompute them "
+                        "from the current parameters, or use on_stale='drop'/'scale'."
+                    )
+                if not eager:
+                    checks.append(tf.debugging.Assert(
+                        tf.logical_not(stale),
+                        ["safevars StaleGradientError: gradients older than "
+                         "max_staleness =", self._max_staleness, "versions; staleness:",
+                         staleness],
+                    ))
+                stale = False
+            finite = part.finite
+            drop = stale if self._on_stale == "drop" else False
+            accept = _and(_not(drop), finite)
+            accepted.append(accept)
+            dropped.append(drop)
+            rejected.append(_and(_not(drop), _not(finite)))
+            scale = _and(accept, stale) if self._on_stale == "scale" else False
+            scaled.append(scale)
+            if accept is not False:
+                kept.append((part, accept, scale, staleness))
+        with tf.control_dependencies(checks):
+            self._apply(kept)
+            n = _total(accepted)
+            delta = [n, n, _total(dropped), _total(rejected), _total(scaled), 0, 0, 0]
+            if eager and not any(isinstance(d, tf.Tensor) for d in delta):
+                if any(delta):
+                    self._counters.assign_add(delta, read_value=False)
+            else:
+                delta = tf.stack([tf.cast(d, tf.int64) for d in delta])
+                self._counters.assign_add(delta, read_value=False)
+            if not eager:
+                return tf.cast(n, tf.int64)  # made to depend on the commit
+        return n
+
+    def _staleness(self, part: _Part) -> Any:
+        if part.version_kind == "none" or self._max_staleness is None:
+            return None
+        if part.version_kind == "int":
+            return _clamp_lag(self._version_now(), part.version)
+        lags = [
+            _clamp_lag(self._slots[i].guard.version(), v)
+            for i, v in enumerate(part.version)
+        ]
+        if all(isinstance(x, int) for x in lags):
+            return max(lags)
+        return tf.reduce_max(tf.stack([tf.cast(x, tf.int64) for x in lags]))
+
+    def _apply(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
+        """Adds the accepted contributions to the state (lock held)."""
+        if not kept:
+            return
+        if self._deterministic:
+            self._store_rows(kept)
+            return
+        dense, sparse_elements, sparse_values = [], [], []
+        for part, accept, scale, staleness in kept:
+            values = _scaled(part.values, scale, staleness)
+            if isinstance(accept, tf.Tensor):
+                values = tf.where(accept, values, tf.zeros_like(values))
+            if part.elements is None:
+                dense.append(values)
+            else:
+                sparse_elements.append(part.elements)
+                sparse_values.append(values)
+        if dense:
+            total = dense[0]
+            for d in dense[1:]:
+                total = total + d
+            self._state.assign_add(total, read_value=False)
+        if sparse_values:
+            gen_resource_variable_ops.resource_scatter_add(
+                self._state.handle, _concat(sparse_elements), _concat(sparse_values)
+            )
+
+    def _store_rows(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
+        """Copies the accepted rows to the next free buffer rows, growing it if full.
+
+        Rows refused at run time (a bool tensor) are moved behind the accepted ones, past
+        the new pending count, where they are ignored.
+        """
+        rows = [_scaled(part.values, scale, staleness) for part, _, scale, staleness in kept]
+        block = rows[0][None] if len(rows) == 1 else tf.stack(rows)
+        accepts = [accept for _, accept, _, _ in kept]
+        if any(isinstance(a, tf.Tensor) for a in accepts):
+            refused = tf.stack([tf.logical_not(tf.cast(a, tf.bool)) for a in accepts])
+            block = tf.gather(block, tf.argsort(tf.cast(refused, tf.int32), stable=True))
+        count = len(rows)
+        if tf.executing_eagerly():
+            pending = int(self._counters[_PENDING])
+            capacity = int(self._rows_shape()[0])
+            if pending + count > capacity:
+                self._grow(capacity, pending + count)
+            positions = tf.range(pending, pending + count, dtype=tf.int64)
+            gen_resource_variable_ops.resource_scatter_update(
+                self._state.handle, positions, block
+            )
+            return
+        pending = self._counters[_PENDING]
+        capacity = self._rows_shape()[0]
+        needed = pending + count
+
+        def grow() -> tf.Tensor:
+            self._grow(capacity, needed)
+            return tf.constant(True)
+
+        grown = tf.cond(needed > capacity, grow, lambda: tf.constant(False))
+        with tf.control_dependencies([grown]):
+            positions = pending + tf.range(count, dtype=tf.int64)
+            gen_resource_variable_ops.resource_scatter_update(
+                self._state.handle, positions, block
+            )
+
+    def _rows_shape(self) -> tf.Tensor:
+        """The state's shape (int64), without reading it.
+
+        ``tf.shape(variable)`` reads the variable, and once a scatter has touched it a
+        read copies all of it.
+        """
+        return gen_resource_variable_ops.variable_shape(self._state.handle, out_type=tf.int64)
+
+    def _grow(self, capacity: int | tf.Tensor, needed: int | tf.Tensor) -> None:
+        """Doubles the row buffer (or more, to ``needed`` rows), keeping its rows."""
+        new = tf.maximum(tf.cast(capacity, tf.int64) * 2, tf.cast(needed, tf.int64))
+        extra = tf.zeros(tf.stack([new - tf.cast(capacity, tf.int64), self._size]), tf.float32)
+        rows = gen_resource_variable_ops.resource_gather(
+            self._state.handle, tf.range(tf.cast(capacity, tf.int64)), dtype=tf.float32
+        )
+        self._state.assign(tf.concat([rows, extra], 0), read_value=False)
+
+    def _version_now(self) -> int | tf.Tensor:
+        guards = [s.guard for s in self._slots if s.guard is not None]
+        if guards:
+            versions = [g.version() for g in guards]
+            if all(isinstance(v, int) for v in versions):
+                return max(versions)
+            return tf.reduce_max(tf.stack([tf.cast(v, tf.int64) for v in versions]))
+        takes = self._counters[_TAKES]
+        return int(takes) if tf.executing_eagerly() else takes
+
+    # ------------------------------------------------------------------ take
+
+    def take(self, timeout: float | None = None) -> Any:
+        """Returns the reduced gradients and resets, atomically.
+
+        Args:
+          timeout: With ``num_required``, how many seconds an eager ``take`` waits for
+            that many contributions (None: as long as it takes). Ignored otherwise.
+
+        Returns:
+          The structure of ``variables`` holding one dense tensor per variable, in the
+          variable's dtype: the mean (or sum) of the pending contributions; zeros when
+          none is pending. Sparse contributions come back dense.
+
+        Raises:
+          AccumulatorTimeoutError: fewer than ``num_required`` contributions arrived
+            before the timeout; the pending contributions are kept.
+
+        Thread safety: reading the pending contributions (or the running sum) and
+        resetting is one atomic step with respect to ``add``, ``take`` and ``reset`` in
+        every thread and running graph; each contribution is taken by exactly one
+        ``take``. The reduction itself runs after the lock is released.
+
+        Modes: eagerly it blocks (polling at most every 50 ms for contributions added
+        by running graphs). Inside a ``tf.function`` it does not wait: with fewer than
+        ``num_required`` pending it fails at run time (``tf.errors.InvalidArgumentError``
+        naming AccumulatorTimeoutError) and keeps them; use :meth:`take_if_ready` with
+        ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
+        returns the same result to every replica.
+        """
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.take(timeout))
+        if tf.executing_eagerly():
+            return self._take_eager(timeout)
+        return self._take_graph(conditional=False)[1]
+
+    def take_if_ready(self) -> tuple[bool | tf.Tensor, Any]:
+        """Takes only if at least ``num_required`` (or 1) contributions are pending.
+
+        Returns:
+          ``(taken, gradients)``. Eagerly ``(True, gradients)`` or ``(False, None)``.
+          Inside a ``tf.function`` ``taken`` is a bool tensor and ``gradients`` are
+          zeros when it is False (branch on it with ``tf.cond``).
+
+        Thread safety: the check and the take are one atomic step, so of two callers
+        racing for the same contributions exactly one gets them.
+
+        Modes: eager and ``tf.function``; inside ``strategy.run`` as :meth:`take`.
+        """
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.take_if_ready())
+        if not tf.executing_eagerly():
+            return self._take_graph(conditional=True)
+        with hold([self._guard]):
+            taken = self._take_locked(self._num_required or 1)
+        if taken is None:
+            return False, None
+        return True, self._finish(*taken)
+
+    def _take_eager(self, timeout: float | None) -> Any:
+        required = self._num_required or 0
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            with self._arrived:
+                generation = self._arrivals
+            with hold([self._guard]):
+                taken = self._take_locked(required)
+            if taken is not None:
+                return self._finish(*taken)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AccumulatorTimeoutError(
+                    f"take(timeout={timeout}) waited for {required} contributions "
+                    f"(num_required) but only {self.count} arrived; they are kept for "
+                    "the next take."
+                )
+            wait = _POLL_SECONDS if remaining is None else min(remaining, _POLL_SECONDS)
+            with self._arrived:
+                if self._arrivals == generation:
+                    self._arrived.wait(wait)
+
+    def _take_locked(self, required: int) -> tuple[tf.Tensor, int] | None:
+        """Eager: reads the pending state and resets it if ``required`` are pending."""
+        pending = int(self._counters[_PENDING])
+        if pending < required or (required and pending == 0):
+            return None
+        state = self._read_pending(pending)
+        delta = [0] * _NUM_COUNTERS
+        delta[_PENDING], delta[_TAKEN], delta[_TAKES] = -pending, pending, int(pending > 0)
+        self._counters.assign_add(delta, read_value=False)
+        return state, pending
+
+    def _read_pending(self, pending: int | tf.Tensor) -> tf.Tensor:
+        """The pending rows (deterministic) or the running sum, then cleared (lock held).
+
+        Rows need no clearing: rows at or past the pending count are never read.
+        """
+        if self._deterministic:
+            return self._gather_pending(pending)
+        state = self._state.read_value()
+        with tf.control_dependencies([state]):
+            self._state.assign(tf.zeros(self._state.shape, self._state.dtype), read_value=False)
+        return state
+
+    def _gather_pending(self, pending: int | tf.Tensor) -> tf.Tensor:
+        """The pending rows, padded with ignored rows to a power of two (lock held).
+
+        A gather copies only these rows (a full read of a scattered-to variable copies
+        all of it), and the few padded shapes keep XLA from compiling for every count.
+        """
+        capacity = self._rows_shape()[0]
+        count = tf.maximum(tf.cast(pending, tf.int64), 1)
+        padded = tf.cast(
+            tf.math.pow(
+                tf.constant(2.0, tf.float64),
+                tf.math.ceil(tf.math.log(tf.cast(count, tf.float64)) / _LN2),
+            ),
+            tf.int64,
+        )
+        rows = tf.minimum(tf.maximum(padded, count), capacity)
+        return gen_resource_variable_ops.resource_gather(
+            self._state.handle, tf.range(rows), dtype=self._state.dtype
+        )
+
+    def _take_graph(self, conditional: bool) -> tuple[tf.Tensor, Any]:
+        required = self._num_required or (1 if conditional else 0)
+
+        def body() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+            pending = self._counters[_PENDING]
+            ready = pending >= max(required, 1) if conditional else tf.constant(True)
+            checks = []
+            if required and not conditional:
+                checks.append(tf.debugging.Assert(
+                    pending >= required,
+                    ["safevars AccumulatorTimeoutError: take() inside a tf.function found",
+                     pending, "contributions pending but num_required =", required,
+                     "; they are kept."],
+                ))
+            with tf.control_dependencies(checks):
+                if self._deterministic:
+                    state = self._gather_pending(pending)
+                else:
+                    state = self._state.read_value()
+
+            def reset() -> tf.Tensor:
+                with tf.control_dependencies([state]):
+                    if not self._deterministic:
+                        self._state.assign(
+                            tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                        )
+                    delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
+                    delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                    delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * tf.cast(
+                        pending > 0, tf.int64
+                    )
+                    self._counters.assign_add(delta, read_value=False)
+                    return tf.constant(True)
+
+            if conditional:
+                done = tf.cond(ready, reset, lambda: tf.constant(False))
+            else:
+                done = reset()
+            return state, pending, done
+
+        state, pending, ready = graph_section([self._guard], body)
+        if conditional:
+            grads = tf.cond(
+                ready,
+                lambda: tuple(tf.nest.flatten(self._finish(state, pending))),
+                lambda: tuple(tf.zeros(s.shape, s.dtype) for s in self._slots),
+            )
+            return ready, tf.nest.pack_sequence_as(self._helpers.structure, list(grads))
+        return ready, self._finish(state, pending)
+
+    def _finish(self, state: tf.Tensor, pending: int | tf.Tensor) -> Any:
+        """Reduced gradients from a state read by take (outside the lock)."""
+        pending = tf.convert_to_tensor(pending, tf.int64)
+        # Deterministic: one XLA-compiled function (eager and graph), which fuses the
+        # reduction's passes. Otherwise plain ops (compiled once for eager calls).
+        eager = tf.executing_eagerly()
+        math = self._helpers.finish if eager or self._deterministic else self._finish_math
+        flat = math(state, pending)
+        return tf.nest.pack_sequence_as(self._helpers.structure, list(flat))
+
+    def _finish_math(self, state: tf.Tensor, pending: tf.Tensor) -> tuple:
+        if self._deterministic:
+            total = _reproducible_sum(state, pending)
+        else:
+            total = state
+        if self._reduction == "mean":
+            divisor = tf.cast(tf.maximum(pending, 1), total.dtype)
+            total = total / divisor
+        out = []
+        for slot in self._slots:
+            piece = total[slot.offset:slot.offset + slot.size]
+            out.append(tf.reshape(tf.cast(piece, slot.dtype), slot.shape))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self) -> None | tf.Operation:
+        """Discards every pending contribution (counted in ``statistics().discarded``).
+
+        Returns:
+          None eagerly; inside a ``tf.function`` the op that resets.
+
+        Thread safety: atomic with respect to ``add``, ``take`` and ``reset``.
+
+        Modes: eager, ``tf.function`` (in the critical section) and ``strategy.run``
+        (once for all replicas).
+        """
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.reset())
+
+        def body() -> tf.Tensor:
+            pending = self._counters[_PENDING]
+            with tf.control_dependencies([pending]):
+                if not self._deterministic:  # buffered rows past pending are ignored
+                    self._state.assign(
+                        tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                    )
+                delta = tf.one_hot(_DISCARDED, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                self._counters.assign_add(delta, read_value=False)
+            return pending
+
+        if tf.executing_eagerly():
+            with hold([self._guard]):
+                body()
+            return None
+        return graph_section([self._guard], body).op
+
+
+# ---------------------------------------------------------------------- reproducible sum
+
+
+def _power_of_two(exponent: tf.Tensor) -> tf.Tensor:
+    """``2.0 ** exponent`` as float64, exactly (exponent in the normal range)."""
+    return tf.bitcast(tf.bitwise.left_shift(exponent + 1023, 52), tf.float64)
+
+
+def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
+    """Per-element sums of the first ``count`` rows, independent of the rows' order.
+
+    Args:
+      rows: float32 ``[b, n]``; rows at ``count`` and beyond are ignored.
+      count: int64 scalar, at most ``b``.
+
+    Returns:
+      float64 ``[n]``. See the module docstring for the method and its error bound.
+      Non-finite values propagate as in IEEE addition (+Inf and -Inf give NaN).
+    """
+    count = tf.cast(count, tf.int64)
+    live = tf.range(tf.shape(rows, out_type=tf.int64)[0]) < count
+    x = tf.where(live[:, None], tf.cast(rows, tf.float64), tf.zeros([], tf.float64))
+    biggest = tf.reduce_max(tf.abs(x), axis=0)
+    exponent = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.bitcast(biggest, tf.int64), 52), 0x7FF
+    ) - 1023  # floor(log2(biggest)); clamped below for zeros, above for Inf/NaN
+    exponent = tf.clip_by_value(exponent, -160, 128)
+    # count <= 2**log_count, so count integers below 2**(52 - log_count) sum exactly.
+    log_count = tf.cast(
+        tf.math.ceil(tf.math.log(tf.cast(tf.maximum(count, 1), tf.float64)) / _LN2),
+        tf.int64,
+    )
+    # Grids are powers of two, so scaling by them (or their inverses) is exact.
+    e1 = exponent + 1 + log_count - 52
+    e2 = exponent + 2 * log_count - 104
+    q1, q2 = _power_of_two(e1), _power_of_two(e2)
+    n1 = tf.round(x * _power_of_two(-e1))  # |n1| <= 2**(52 - log_count)
+    n2 = tf.round((x - n1 * q1) * _power_of_two(-e2))  # exact remainder; same bound
+    sum1 = tf.reduce_sum(n1, axis=0)  # exact whatever the order: integers below 2**53
+    sum2 = tf.reduce_sum(n2, axis=0)
+    return tf.where(tf.math.is_finite(sum1), sum1 * q1 + sum2 * q2, sum1)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _slot(index: int, variable: Any, offset: int) -> _Slot:
+    """Checks one variable and describes its place in the flat state."""
+    backing = getattr(variable, "value", None)
+    if not isinstance(variable, tf.Variable) and isinstance(backing, tf.Variable):
+        variable = backing  # keras.Variable under the TensorFlow backend
+    if not isinstance(variable, tf.Variable):
+        raise InvalidArgumentError(
+            f"variables[{index}] is {_short(variable)}, not a variable. Pass the "
+            "variables the gradients are for (e.g. model.trainable_variables)."
+        )
+    shape = variable.shape
+    name = getattr(variable, "name", f"variables[{index}]")
+    if not shape.is_fully_defined():
+        raise InvalidArgumentError(
+            f"variable {name!r} has shape {shape}; the accumulator needs fully defined "
+            "shapes to size its state."
+        )
+    dtype = tf.as_dtype(variable.dtype)
+    if dtype not in _NARROW_FLOATS and dtype != tf.float64:
+        raise DTypeMismatchError(
+            f"variable {name!r} has dtype {dtype.name}; gradients can be accumulated for "
+            "float16, bfloat16, float32 and float64 variables only."
+        )
+    guard = getattr(variable, "_self_guard", None)
+    dims = tuple(int(d) for d in shape.as_list())
+    return _Slot(
+        index=index, name=name, shape=dims, size=int(np.prod(dims, dtype=np.int64)),
+        offset=offset, dtype=dtype, guard=guard if isinstance(guard, Guard) else None,
+    )
+
+
+def _replica_context() -> tf.distribute.ReplicaContext | None:
+    """The replica context of a non-default strategy's ``run``, else None."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    return tf.distribute.get_replica_context()
+
+
+def _per_replica(gradients: Any) -> list[Any]:
+    """Splits a structure holding PerReplica leaves into one structure per replica."""
+    leaves = tf.nest.flatten(gradients)
+    distributed = [x for x in leaves if isinstance(x, tf.distribute.DistributedValues)]
+    if not distributed:
+        return [gradients]
+    replicas = len(distributed[0].values)
+    per_leaf = [_local_values(x, replicas) for x in leaves]
+    return [
+        tf.nest.pack_sequence_as(gradients, [leaf[r] for leaf in per_leaf])
+        for r in range(replicas)
+    ]
+
+
+def _local_values(value: Any, replicas: int) -> list[Any]:
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    if isinstance(value, tuple) and not isinstance(value, tf.Tensor):
+        fields = [_local_values(v, replicas) for v in value]
+        return [tuple(f[r] for f in fields) for r in range(replicas)]
+    return [value] * replicas
+
+
+def _sparse_slot(entries: tuple, position: int) -> int:
+    """Index of the slot holding the ``position``-th sparse entry."""
+    sparse = [i for i, e in enumerate(entries) if e is not None and e[0] == "sparse"]
+    return sparse[position]
+
+
+def _after(check: Any, tensors: tuple) -> tuple:
+    with tf.control_dependencies([check]):
+        return tuple(None if t is None else tf.identity(t) for t in tensors)
+
+
+def _is_int_version(version: Any) -> bool:
+    if isinstance(version, (bool, np.bool_)):
+        return False
+    if isinstance(version, (int, np.integer)):
+        return True
+    return isinstance(version, tf.Tensor) and version.shape.rank == 0
+
+
+def _version_value(value: Any, what: str) -> int | tf.Tensor:
+    if isinstance(value, tf.Tensor):
+        if not value.dtype.is_integer:
+            raise InvalidArgumentError(f"{what} must be an integer, got {value.dtype.name}.")
+        if tf.executing_eagerly():
+            value = int(value.numpy())
+        else:
+            return tf.cast(value, tf.int64)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(
+            f"{what} must be an int, a scalar integer tensor or a Snapshot, got "
+            f"{_short(value)}."
+        )
+    if value < 0:
+        raise InvalidArgumentError(f"{what} must be >= 0, got {value}.")
+    return int(value)
+
+
+def _clamp_lag(current: int | tf.Tensor, version: int | tf.Tensor) -> int | tf.Tensor:
+    if isinstance(current, int) and isinstance(version, int):
+        return max(current - version, 0)
+    return tf.maximum(tf.cast(current, tf.int64) - tf.cast(version, tf.int64), 0)
+
+
+def _scaled(values: tf.Tensor, scale: Any, staleness: Any) -> tf.Tensor:
+    """``values / (staleness + 1)`` where ``scale`` holds (a bool or a bool tensor)."""
+    if scale is False:
+        return values
+    divided = values / (tf.cast(staleness, values.dtype) + tf.constant(1, values.dtype))
+    return tf.where(scale, divided, values) if isinstance(scale, tf.Tensor) else divided
+
+
+def _not(x: Any) -> Any:
+    return tf.logical_not(x) if isinstance(x, tf.Tensor) else not x
+
+
+def _and(a: Any, b: Any) -> Any:
+    if isinstance(a, tf.Tensor) or isinstance(b, tf.Tensor):
+        if a is False or b is False:
+            return False
+        if a is True:
+            return b
+        if b is True:
+            return a
+        return tf.logical_and(a, b)
+    return bool(a) and bool(b)
+
+
+def _total(flags: Sequence[Any]) -> int | tf.Tensor:
+    tensors = [tf.cast(f, tf.int64) for f in flags if isinstance(f, tf.Tensor)]
+    constant = sum(1 for f in flags if f is True)
+    if not tensors:
+        return constant
+    return tf.add_n(tensors) + constant
+
+
+def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
+
+
+def _check_choice(argument: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidArgumentError(
+            f"{argument} must be one of {list(choices)}, got {_short(value)}."
+        )
+
+
+def _check_count(argument: str, value: Any, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgumentError(
+            f"{argument} must be None or an int >= {minimum}, got {_short(value)}."
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,728 @@
+"""GradientAccumulator: determinism, atomicity, staleness, sparse, mixed precision,
+checkpoints, bad input and MirroredStrategy."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from threading_harness import run_threads
+
+from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
+from safevars.errors import (
+    AccumulatorTimeoutError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    ShapeMismatchError,
+    StaleGradientError,
+)
+from safevars.variable import SafeVariable
+
+
+def state(acc: GradientAccumulator) -> tuple:
+    """Everything a refused call must leave unchanged: the live state and statistics.
+
+    Deterministic accumulators only read the buffer rows below the pending count.
+    """
+    stats = acc.statistics()
+    live = acc._state.numpy()
+    if acc.deterministic:
+        live = live[: stats.pending]
+    return (live.tobytes(), stats)
+
+
+def as_int(x) -> int:
+    return int(x.numpy()) if isinstance(x, tf.Tensor) else int(x)
+
+
+def hard_contributions(count: int, size: int, seed: int) -> list[np.ndarray]:
+    """float32 gradients spanning 12 decades, so float32 sums depend on the order."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal(size) * 10.0 ** rng.uniform(-6, 6, size)).astype(np.float32)
+        for _ in range(count)
+    ]
+
+
+# ---------------------------------------------------------------------- construction
+
+
+class TestConstruction:
+    def test_bad_arguments_are_refused(self):
+        v = tf.Variable(tf.zeros([2]))
+        for kwargs in (
+            {"reduction": "max"}, {"on_stale": "ignore"}, {"nonfinite": "zero"},
+            {"num_required": 0}, {"num_required": 1.5}, {"max_staleness": -1},
+            {"max_staleness": True}, {"deterministic": "yes"},
+        ):
+            with pytest.raises(InvalidArgumentError):
+                GradientAccumulator([v], **kwargs)
+        with pytest.raises(InvalidArgumentError):
+            GradientAccumulator([])
+        with pytest.raises(InvalidArgumentError):
+            GradientAccumulator([tf.zeros([2])])
+        with pytest.raises(DTypeMismatchError):
+            GradientAccumulator([tf.Variable([1, 2])])
+        with pytest.raises(InvalidArgumentError):  # also a ValueError for old handlers
+            GradientAccumulator([v], reduction="max")
+
+    def test_float64_needs_deterministic_false(self):
+        v = tf.Variable(tf.zeros([2], tf.float64))
+        with pytest.raises(DTypeMismatchError, match="deterministic=False"):
+            GradientAccumulator([v])
+        acc = GradientAccumulator([v], deterministic=False)
+        acc.add([tf.constant([1.0, 2.0], tf.float64)])
+        out = acc.take()[0]
+        assert out.dtype == tf.float64
+        np.testing.assert_array_equal(out, [1.0, 2.0])
+
+    def test_memory_cost_is_reported_and_the_buffer_grows(self):
+        v = tf.Variable(tf.zeros([10, 3]))
+        assert GradientAccumulator([v], deterministic=False).state_bytes == 30 * 4
+        assert GradientAccumulator([v], num_required=6).state_bytes == 6 * 30 * 4
+        acc = GradientAccumulator([v], reduction="sum")
+        assert acc.state_bytes == 4 * 30 * 4  # four float32 rows to start with
+        for i in range(9):
+            acc.add([tf.fill([10, 3], float(i))])
+        assert acc.state_bytes == 16 * 30 * 4  # doubled twice, rows kept
+        np.testing.assert_array_equal(acc.take()[0], np.full([10, 3], 36.0))
+
+    def test_state_is_not_mirrored_under_strategy_scope(self, mirrored_strategy):
+        with mirrored_strategy.scope():
+            v = tf.Variable(tf.zeros([2]))
+            acc = GradientAccumulator([v])
+        assert not isinstance(acc._state, tf.distribute.DistributedValues)
+        assert isinstance(v, tf.distribute.DistributedValues)
+
+
+# ---------------------------------------------------------------------- add / take
+
+
+class TestAddTake:
+    def test_mean_of_dense_sparse_and_none(self, mode):
+        a = tf.Variable(tf.zeros([3, 2]))
+        b = tf.Variable(tf.zeros([2]))
+        acc = GradientAccumulator({"a": a, "b": b})
+        sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([2, 2]))
+
+        def step():
+            n = acc.add({"a": tf.ones([3, 2]), "b": tf.constant([2.0, 4.0])})
+            n += acc.add({"a": sparse, "b": None})
+            return n, acc.take()
+
+        n, out = mode(step)()
+        assert as_int(n) == 2
+        np.testing.assert_array_equal(out["a"], [[0.5, 0.5], [0.5, 0.5], [2.5, 3.5]])
+        np.testing.assert_array_equal(out["b"], [1.0, 2.0])
+        assert acc.statistics() == AccumulatorStatistics(0, 2, 0, 0, 0, 2, 1, 0)
+
+    def test_sum_reduction_and_empty_take(self, mode):
+        v = tf.Variable(tf.zeros([2]))
+        acc = GradientAccumulator([v], reduction="sum")
+
+        def step():
+            empty = acc.take()
+            acc.add([tf.constant([1.0, 2.0])])
+            acc.add([tf.constant([3.0, 4.0])])
+            return empty, acc.take()
+
+        empty, out = mode(step)()
+        np.testing.assert_array_equal(empty[0], [0.0, 0.0])
+        np.testing.assert_array_equal(out[0], [4.0, 6.0])
+        assert acc.statistics().takes == 1  # the empty take took nothing
+
+    def test_count_and_reset(self, mode):
+        v = tf.Variable(tf.zeros([2]))
+        acc = GradientAccumulator([v])
+
+        def step():
+            acc.add([tf.ones([2])])
+            acc.add([tf.ones([2])])
+            before = acc.count
+            with tf.control_dependencies([before]):
+                acc.reset()
+            return before
+
+        assert as_int(mode(step)()) == 2
+        assert acc.count == 0
+        stats = acc.statistics()
+        assert (stats.added, stats.discarded, stats.pending) == (2, 2, 0)
+        np.testing.assert_array_equal(acc.take()[0], [0.0, 0.0])
+
+    def test_nonfinite_propagates_by_default(self, mode):
+        v = tf.Variable(tf.zeros([4]))
+        acc = GradientAccumulator([v], reduction="sum")
+
+        def step():
+            acc.add([tf.constant([np.inf, np.inf, np.nan, 1.0])])
+            acc.add([tf.constant([1.0, -np.inf, 1.0, 3e38])])
+            acc.add([tf.constant([1.0, 1.0, 1.0, 3e38])])
+            return acc.take()
+
+        out = mode(step)()[0].numpy()
+        assert out[0] == np.inf and np.isnan(out[1]) and np.isnan(out[2])
+        assert out[3] == np.inf  # 6e38 overflows float32 only at the end
+
+    def test_mean_of_large_values_does_not_overflow(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v])
+        acc.add([tf.constant([3e38])])
+        acc.add([tf.constant([3e38])])
+        np.testing.assert_array_equal(acc.take()[0], np.float32([3e38]))
+
+
+# ---------------------------------------------------------------------- determinism
+
+
+class TestDeterminism:
+    SIZE = 512
+    CONTRIBUTIONS = 32
+    THREADS = 8
+    RUNS = 20
+
+    def test_naive_float32_sums_of_the_data_depend_on_order(self):
+        grads = hard_contributions(self.CONTRIBUTIONS, self.SIZE, seed=1)
+        rng = random.Random(0)
+        sums = set()
+        for _ in range(self.RUNS):
+            order = list(range(self.CONTRIBUTIONS))
+            rng.shuffle(order)
+            total = np.zeros(self.SIZE, np.float32)
+            for i in order:
+                total += grads[i]
+            sums.add(total.tobytes())
+        assert len(sums) > 1  # so the bitwise test below is meaningful
+
+    def test_eight_threads_shuffled_orders_are_bitwise_identical(self, mode):
+        grads = hard_contributions(self.CONTRIBUTIONS, self.SIZE, seed=1)
+        v = tf.Variable(tf.zeros([self.SIZE]))
+        acc = GradientAccumulator([v])
+        add = mode(lambda g: acc.add([g]))
+        rng = random.Random(42)
+        results = set()
+        for _ in range(self.RUNS):
+            order = list(range(self.CONTRIBUTIONS))
+            rng.shuffle(order)
+            shares = [order[t :: self.THREADS] for t in range(self.THREADS)]
+
+            def worker(index: int) -> None:
+                for i in shares[index]:
+                    add(tf.constant(grads[i]))
+
+            run_threads(self.THREADS, worker)
+            assert acc.count == self.CONTRIBUTIONS
+            results.add(acc.take()[0].numpy().tobytes())
+        assert len(results) == 1
+        result = np.frombuffer(results.pop(), np.float32)
+        exact = np.mean(np.stack(grads).astype(np.float64), axis=0)
+        np.testing.assert_array_max_ulp(result, exact.astype(np.float32), maxulp=1)
+
+    def test_reproducible_sum_is_order_free_exact_enough_and_xla_proof(self):
+        from fractions import Fraction
+
+        from safevars.accumulator import _reproducible_sum
+
+        rng = np.random.default_rng(11)
+        p, n = 24, 64
+        columns = [
+            rng.standard_normal(p) * 10.0 ** rng.uniform(-30, 30, p),  # 60 decades
+            np.concatenate([[3e38, -3e38], rng.standard_normal(p - 2)]),  # cancels
+            np.concatenate([[1.0, -1.0], 1e-7 * rng.standard_normal(p - 2)]),
+        ]
+        data = rng.standard_normal((p, n)) * 10.0 ** rng.uniform(-6, 6, (p, n))
+        for j, column in enumerate(columns):
+            data[:, j] = column
+        data = data.astype(np.float32)
+        garbage = rng.standard_normal((8, n)).astype(np.float32)  # rows past the count
+        count = tf.constant(p, tf.int64)
+        plain = tf.function(_reproducible_sum, autograph=False)
+        xla = tf.function(_reproducible_sum, autograph=False, jit_compile=True)
+        reference = plain(tf.constant(np.concatenate([data, garbage])), count).numpy()
+        for fn in (plain, xla):
+            for _ in range(3):
+                shuffled = np.concatenate([rng.permutation(data), garbage])
+                out = fn(tf.constant(shuffled), count).numpy()
+                assert out.tobytes() == reference.tobytes()
+        for j in range(n):
+            exact = sum(Fraction(float(x)) for x in data[:, j])
+            biggest = max(abs(Fraction(float(x))) for x in data[:, j])
+            error = abs(Fraction(float(reference[j])) - exact)
+            # one float64 rounding of the result, plus remainders dropped below 2**-80
+            assert error <= abs(exact) * Fraction(1, 2**52) + biggest * Fraction(1, 2**80)
+
+    def test_replica_and_arrival_order_do_not_matter_for_sparse(self):
+        v = tf.Variable(tf.zeros([6, 3]))
+        rng = np.random.default_rng(3)
+        parts = [
+            tf.IndexedSlices(
+                tf.constant(hard_contributions(1, 12, seed=i)[0].reshape(4, 3)),
+                tf.constant(rng.integers(0, 6, 4)),
+            )
+            for i in range(10)
+        ]
+        results = set()
+        for order in (range(10), reversed(range(10)), [3, 1, 4, 0, 5, 9, 2, 6, 8, 7]):
+            acc = GradientAccumulator([v])
+            for i in order:
+                acc.add([parts[i]])
+            results.add(acc.take()[0].numpy().tobytes())
+        assert len(results) == 1
+
+
+# ---------------------------------------------------------------------- Keras model
+
+
+class TestKerasMicroBatches:
+    def test_k_micro_batches_equal_the_full_batch_gradient(self, mode):
+        import keras
+
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ])
+        x = tf.random.uniform([32, 5], 0, 50, tf.int32, seed=1)
+        y = tf.random.uniform([32], 0, 3, tf.int32, seed=2)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        variables = model.trainable_variables
+
+        def gradients(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            return tape.gradient(loss, variables)
+
+        full = gradients(x, y)
+        assert isinstance(full[0], tf.IndexedSlices)  # the sparse path is exercised
+        acc = GradientAccumulator(variables, num_required=4)
+
+        def accumulate():
+            for i in range(4):
+                acc.add(gradients(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]))
+            return acc.take()
+
+        accumulated = mode(accumulate)()
+        for got, want in zip(accumulated, full):
+            want = tf.convert_to_tensor(want)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- concurrency
+
+
+class TestConcurrency:
+    ADDERS = 4
+    TAKERS = 2
+    ADDS = 150
+
+    def test_total_taken_equals_total_added(self, mode):
+        v = tf.Variable(tf.zeros([3]))
+        acc = GradientAccumulator([v], reduction="sum")
+        add = mode(lambda g: acc.add([g]))
+        # One eager and one graph taker, so graph adds race an eager read-and-reset.
+        takers = [acc.take, tf.function(lambda: acc.take(), autograph=False)]
+        taken: list[np.ndarray] = []
+        finished = []
+        guard = threading.Lock()
+
+        def worker(index: int) -> None:
+            if index < self.ADDERS:
+                for i in range(self.ADDS):
+                    value = float(index * 1000 + i)
+                    add(tf.constant([value, 1.0, -value]))
+                with guard:
+                    finished.append(index)
+                return
+            take = takers[index % 2]
+            while True:
+                with guard:
+                    done = len(finished) == self.ADDERS
+                out = take()[0].numpy()
+                with guard:
+                    taken.append(out)
+                if done:
+                    return
+
+        run_threads(self.ADDERS + self.TAKERS, worker)
+        taken.append(acc.take()[0].numpy())
+        total = np.sum(np.stack(taken).astype(np.float64), axis=0)
+        expected = sum(t * 1000 + i for t in range(self.ADDERS) for i in range(self.ADDS))
+        n = self.ADDERS * self.ADDS
+        np.testing.assert_array_equal(total, [expected, n, -expected])
+        stats = acc.statistics()
+        assert stats.added == stats.taken == n and stats.pending == 0
+
+    def test_graph_and_eager_adds_exclude_each_other(self):
+        v = tf.Variable(tf.zeros([2]))
+        acc = GradientAccumulator([v], reduction="sum", deterministic=False)
+        graph_add = tf.function(lambda g: acc.add([g]), autograph=False)
+
+        def eager_add(g: tf.Tensor) -> int:
+            return acc.add([g])
+
+        def worker(index: int) -> None:
+            add = graph_add if index % 2 else eager_add
+            for _ in range(50):
+                add(tf.constant([1.0, 2.0]))
+
+        run_threads(4, worker)
+        np.testing.assert_array_equal(acc.take()[0], [200.0, 400.0])
+        assert acc.statistics().taken == 200
+
+
+class TestNumRequired:
+    def test_take_times_out_and_keeps_contributions(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], num_required=3, reduction="sum")
+        acc.add([tf.constant([1.0])])
+        with pytest.raises(AccumulatorTimeoutError):
+            acc.take(timeout=0.05)
+        with pytest.raises(TimeoutError):  # the builtin a caller would catch
+            acc.take(timeout=0)
+        assert acc.count == 1
+        acc.add([tf.constant([2.0])])
+        acc.add([tf.constant([3.0])])
+        np.testing.assert_array_equal(acc.take(timeout=0)[0], [6.0])
+
+    def test_blocked_take_wakes_when_enough_arrived(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], num_required=4, reduction="sum")
+        result = []
+        taker = threading.Thread(target=lambda: result.append(acc.take(timeout=60)))
+        taker.start()
+        for i in range(4):
+            acc.add([tf.constant([float(i)])])
+        taker.join(60)
+        assert not taker.is_alive()
+        np.testing.assert_array_equal(result[0][0], [6.0])
+
+    def test_graph_take_with_too_few_fails_and_keeps(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], num_required=2)
+        acc.add([tf.constant([1.0])])
+        take = tf.function(lambda: acc.take(), autograph=False)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="AccumulatorTimeoutError"):
+            take()
+        assert acc.count == 1
+        acc.add([tf.constant([3.0])])
+        np.testing.assert_array_equal(take()[0], [2.0])
+
+    def test_take_if_ready(self, mode):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], num_required=2)
+        take = mode(lambda: acc.take_if_ready())
+        acc.add([tf.constant([1.0])])
+        ready, grads = take()
+        assert not bool(ready) and acc.count == 1
+        acc.add([tf.constant([3.0])])
+        ready, grads = take()
+        assert bool(ready) and acc.count == 0
+        np.testing.assert_array_equal(grads[0], [2.0])
+
+
+# ---------------------------------------------------------------------- staleness
+
+
+class TestStaleness:
+    def test_drop_against_the_accumulator_version(self, mode):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], max_staleness=1, reduction="sum")
+        add = mode(lambda g, ver: acc.add([g], version=ver))
+        one = tf.constant([1.0])
+        assert acc.version == 0
+        assert as_int(add(one, tf.constant(0))) == 1
+        acc.take()
+        assert acc.version == 1
+        assert as_int(add(one, tf.constant(0))) == 1  # one version behind: fine
+        acc.take()
+        before = state(acc)
+        assert as_int(add(one, tf.constant(0))) == 0  # two behind: dropped
+        after = state(acc)
+        assert after[0] == before[0]
+        assert after[1].dropped_stale == 1 and after[1].added == before[1].added
+
+    def test_raise_changes_nothing(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], max_staleness=0, on_stale="raise")
+        acc.add([tf.constant([1.0])])
+        acc.take()
+        acc.add([tf.constant([5.0])], version=1)
+        before = state(acc)
+        with pytest.raises(StaleGradientError):
+            acc.add([tf.constant([1.0])], version=0)
+        with pytest.raises(ValueError):
+            acc.add([tf.constant([1.0])], version=0)
+        assert state(acc) == before
+        graph_add = tf.function(lambda ver: acc.add([tf.constant([1.0])], version=ver))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="StaleGradientError"):
+            graph_add(tf.constant(0))
+        assert state(acc) == before
+        assert as_int(graph_add(tf.constant(1))) == 1  # the lock was released
+        np.testing.assert_array_equal(acc.take()[0], [3.0])
+
+    def test_scale_by_one_over_staleness_plus_one(self, mode):
+        v = tf.Variable(tf.zeros([2]))
+        acc = GradientAccumulator([v], max_staleness=0, on_stale="scale", reduction="sum")
+        for _ in range(3):
+            acc.add([tf.zeros([2])])
+            acc.take()
+        assert acc.version == 3
+        add = mode(lambda g, ver: acc.add([g], version=ver))
+        add(tf.constant([8.0, 4.0]), tf.constant(3))  # fresh: as is
+        add(tf.constant([8.0, 4.0]), tf.constant(2))  # 1 behind: / 2
+        add(tf.constant([8.0, 4.0]), tf.constant(0))  # 3 behind: / 4
+        assert acc.statistics().scaled == 2
+        np.testing.assert_array_equal(acc.take()[0], [14.0, 7.0])
+
+    def test_scale_float_accumulator(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator(
+            [v], max_staleness=0, on_stale="scale", reduction="sum", deterministic=False
+        )
+        acc.add([tf.zeros([1])])
+        acc.take()
+        acc.add([tf.constant([6.0])], version=0)
+        acc.add([tf.constant([6.0])], version=1)
+        np.testing.assert_array_equal(acc.take()[0], [9.0])
+
+    def test_safe_variable_versions_and_snapshots(self, mode):
+        a = SafeVariable(tf.zeros([2]))
+        b = SafeVariable(tf.zeros([]))
+        acc = GradientAccumulator([a, b], max_staleness=0)
+        snaps = [a.snapshot(), b.snapshot()]
+        a.assign_add([1.0, 1.0])  # a moves on: gradients from snaps are 1 behind
+        assert acc.version == 1
+        add = mode(lambda: acc.add([tf.ones([2]), tf.constant(1.0)], version=snaps))
+        assert as_int(add()) == 0
+        fresh = [a.snapshot(), b.snapshot()]
+        assert acc.add([tf.ones([2]), tf.constant(1.0)], version=fresh) == 1
+        assert acc.add([tf.ones([2]), tf.constant(1.0)], version=[1, 0]) == 1
+        assert acc.add([tf.ones([2]), tf.constant(1.0)], version=0) == 0  # vs max = 1
+        stats = acc.statistics()
+        assert stats.added == 2 and stats.dropped_stale == 2
+
+    def test_malformed_versions(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], max_staleness=0)
+        before = state(acc)
+        for bad in (-1, 1.5, True, "3", [[0]]):
+            with pytest.raises(InvalidArgumentError):
+                acc.add([tf.ones([1])], version=bad)
+        with pytest.raises(InvalidArgumentError, match="SafeVariables"):
+            acc.add([tf.ones([1])], version=[0])
+        assert state(acc) == before
+
+
+# ---------------------------------------------------------------------- dtypes
+
+
+class TestMixedPrecision:
+    @pytest.mark.parametrize(
+        "dtype, big", [(tf.float16, 2048.0), (tf.bfloat16, 256.0)], ids=["f16", "bf16"]
+    )
+    def test_half_precision_accumulates_in_float32(self, mode, dtype, big):
+        v = tf.Variable(tf.zeros([2], dtype))
+        acc = GradientAccumulator([v], reduction="sum")
+        grads = [tf.constant([big, 0.5], dtype)] + [tf.constant([1.0, 0.25], dtype)] * 2
+        naive = grads[0]
+        for g in grads[1:]:
+            naive = naive + g
+        assert float(naive[0]) == big  # the narrow sum loses both 1s
+
+        def step():
+            for g in grads:
+                acc.add([g])
+            return acc.take()
+
+        out = mode(step)()[0]
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out.numpy().astype(np.float32), [big + 2.0, 1.0])
+
+    def test_float32_variable_takes_half_gradients(self):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], reduction="sum")
+        acc.add([tf.constant([1.5], tf.float16)])
+        acc.add([tf.constant([2.5], tf.bfloat16)])
+        out = acc.take()[0]
+        assert out.dtype == tf.float32
+        np.testing.assert_array_equal(out, [4.0])
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+class TestCheckpoint:
+    @pytest.mark.parametrize("deterministic", [True, False])
+    def test_resume_gives_the_same_result(self, tmp_path, deterministic):
+        v = tf.Variable(tf.zeros([64]))
+        grads = [tf.constant(g) for g in hard_contributions(6, 64, seed=5)]
+        acc = GradientAccumulator([v], deterministic=deterministic)
+        for g in grads[:3]:
+            acc.add([g])
+        path = tf.train.Checkpoint(acc=acc).save(str(tmp_path / "ckpt"))
+        for g in grads[3:]:
+            acc.add([g])
+        stats = acc.statistics()
+        uninterrupted = acc.take()[0].numpy()
+
+        resumed = GradientAccumulator([v], deterministic=deterministic)
+        tf.train.Checkpoint(acc=resumed).restore(path).assert_consumed()
+        assert resumed.count == 3
+        for g in grads[3:]:
+            resumed.add([g])
+        assert resumed.statistics() == stats
+        assert resumed.take()[0].numpy().tobytes() == uninterrupted.tobytes()
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+class TestBadInput:
+    def make(self, **kwargs):
+        a = tf.Variable(tf.zeros([2, 2]))
+        b = tf.Variable(tf.zeros([3]))
+        acc = GradientAccumulator([a, b], **kwargs)
+        acc.add([tf.ones([2, 2]), tf.ones([3])])
+        return acc
+
+    def test_refused_calls_change_nothing(self):
+        acc = self.make()
+        before = state(acc)
+        ok = tf.ones([3])
+        cases = [
+            (InvalidArgumentError, [tf.ones([2, 2])]),
+            (InvalidArgumentError, [tf.ones([2, 2]), ok, ok]),
+            (ShapeMismatchError, [tf.ones([4]), ok]),
+            (ShapeMismatchError, [tf.ones([2, 2]), tf.ones([2])]),
+            (DTypeMismatchError, [tf.ones([2, 2], tf.int32), ok]),
+            (DTypeMismatchError, [tf.ones([2, 2], tf.float64), ok]),
+            (DTypeMismatchError, [[["a", "b"], ["c", "d"]], ok]),
+            (ShapeMismatchError, [tf.IndexedSlices(tf.ones([1, 3]), tf.constant([0])), ok]),
+            (InvalidArgumentError, [tf.IndexedSlices(tf.ones([1, 2]), tf.constant([2])), ok]),
+            (InvalidArgumentError, [tf.IndexedSlices(tf.ones([1, 2]), tf.constant([-1])), ok]),
+            (ShapeMismatchError, [tf.ones([2, 2]), tf.IndexedSlices(tf.ones([1, 2]), [0])]),
+            (InvalidArgumentError, [tf.IndexedSlices(tf.ones([1, 2]), [[0]]), ok]),
+            (InvalidArgumentError, [tf.IndexedSlices(tf.ones([1, 2]), [0.5]), ok]),
+        ]
+        for error, gradients in cases:
+            with pytest.raises(error):
+                acc.add(gradients)
+            assert state(acc) == before, gradients
+
+    def test_refused_calls_change_nothing_in_graph(self):
+        acc = self.make()
+        before = state(acc)
+        add = tf.function(
+            lambda i: acc.add([tf.IndexedSlices(tf.ones([1, 2]), i), tf.ones([3])]),
+            autograph=False,
+        )
+        with pytest.raises(tf.errors.InvalidArgumentError, match="indices outside"):
+            add(tf.constant([5]))
+        assert state(acc) == before
+        assert as_int(add(tf.constant([1]))) == 1
+
+    def test_numpy_and_python_gradients_are_converted(self):
+        acc = self.make(reduction="sum")
+        acc.add([np.ones((2, 2)), [1.0, 2.0, 3.0]])
+        np.testing.assert_array_equal(acc.take()[1], [2.0, 3.0, 4.0])
+
+    def test_nonfinite_raise(self, mode):
+        acc = self.make(nonfinite="raise")
+        before = state(acc)
+        bad = [tf.ones([2, 2]), tf.constant([1.0, np.nan, 1.0])]
+        if mode.name == "eager":
+            with pytest.raises(NonFiniteGradientError):
+                acc.add(bad)
+        else:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="NonFinite"):
+                mode(lambda: acc.add(bad))()
+        assert state(acc) == before
+
+    def test_nonfinite_skip_is_counted(self, mode):
+        acc = self.make(nonfinite="skip")
+        before = state(acc)
+        n = mode(lambda: acc.add([tf.ones([2, 2]), tf.constant([1.0, np.inf, 1.0])]))()
+        assert as_int(n) == 0
+        after = state(acc)
+        assert after[0] == before[0]
+        assert after[1].rejected == 1 and after[1].added == before[1].added
+
+
+# ---------------------------------------------------------------------- distribute
+
+
+class TestMirroredStrategy:
+    def make(self, strategy, **kwargs):
+        with strategy.scope():
+            v = tf.Variable(tf.zeros([3]))
+            acc = GradientAccumulator([v], **kwargs)
+        return acc
+
+    @staticmethod
+    def replica_gradient():
+        rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.cast(rid + 1, tf.float32) * tf.constant([1.0, 10.0, 100.0])
+
+    def test_every_replica_counts_once_and_take_reduces(self, mirrored_strategy):
+        acc = self.make(mirrored_strategy)
+
+        @tf.function(autograph=False)
+        def step():
+            return mirrored_strategy.run(lambda: acc.add([self.replica_gradient()]))
+
+        added = mirrored_strategy.experimental_local_results(step())
+        assert {int(n) for n in added} == {2}  # every replica sees the total
+        step()
+        assert acc.count == 4
+        np.testing.assert_array_equal(acc.take()[0], [1.5, 15.0, 150.0])
+        assert acc.statistics().added == 4
+
+    def test_take_inside_run_gives_every_replica_the_same(self, mirrored_strategy):
+        acc = self.make(mirrored_strategy, reduction="sum")
+
+        @tf.function(autograph=False)
+        def step():
+            def replica():
+                acc.add([self.replica_gradient()])
+                return tf.identity(acc.take()[0])  # one tensor per replica
+
+            return mirrored_strategy.run(replica)
+
+        results = mirrored_strategy.experimental_local_results(step())
+        assert len(results) == 2
+        for r in results:
+            np.testing.assert_array_equal(r, [3.0, 30.0, 300.0])
+        assert acc.statistics().taken == 2 and acc.statistics().takes == 1
+
+    def test_eager_run_and_per_replica_values(self, mirrored_strategy):
+        acc = self.make(mirrored_strategy, reduction="sum")
+        mirrored_strategy.run(lambda: acc.add([self.replica_gradient()]))
+        per_replica = mirrored_strategy.run(self.replica_gradient)
+        assert acc.add([per_replica]) == 2
+        np.testing.assert_array_equal(acc.take()[0], [6.0, 60.0, 600.0])
+
+    def test_matches_single_device_bitwise(self, mirrored_strategy):
+        grads = hard_contributions(2, 3, seed=9)
+        acc = self.make(mirrored_strategy)
+
+        @tf.function(autograph=False)
+        def step():
+            def replica():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return acc.add([tf.gather(tf.constant(np.stack(grads)), rid)])
+
+            return mirrored_strategy.run(replica)
+
+        step()
+        distributed = acc.take()[0].numpy()
+        single = GradientAccumulator([tf.Variable(tf.zeros([3]))])
+        single.add([tf.constant(grads[1])])
+        single.add([tf.constant(grads[0])])
+        assert single.take()[0].numpy().tobytes() == distributed.tobytes()
