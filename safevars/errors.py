@@ -29,6 +29,11 @@ __all__ = [
 class SafeVarsError(Exception):
     """Base class of every error safevars raises on purpose."""
 
+    # AutoGraph re-raises an error from a converted tf.function with its original type
+    # only when the type keeps Exception's own __init__; otherwise it becomes a
+    # StagingError and `except ValueError` no longer catches it.
+    __init__ = Exception.__init__
+
 
 class LockReentryError(SafeVarsError, RuntimeError):
     """A lock was re-entered in a way that would deadlock.

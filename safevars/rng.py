@@ -1,9 +1,11 @@
 """ReplicaRNG: one seed, an independent reproducible random stream per replica and worker.
 
 The problem: replicas seeded with the same seed draw the same augmentations and dropout
-masks; seeding every worker by hand is error-prone; ``tf.random.Generator`` refuses
-``ParameterServerStrategy`` and ``CentralStorageStrategy``; a Keras ``SeedGenerator``
-shared by the replicas of a ``MirroredStrategy`` hands every replica the same seeds; and
+masks; seeding every worker by hand is error-prone; under ``ParameterServerStrategy`` a
+``tf.random.Generator`` is one state on a parameter server shared by all workers (its
+per-replica key hash uses replica 0 on every worker), so the values a worker gets depend
+on how the coordinator interleaves the steps; a Keras ``SeedGenerator`` shared by the
+replicas of a ``MirroredStrategy`` hands every replica the same seeds; and
 ``tf.random.set_seed`` inside ``strategy.run`` gives no per-replica control.
 
 The fix: ``ReplicaRNG(seed)`` owns one Philox stream per replica. Stream ``r`` of worker
@@ -36,9 +38,54 @@ seeds from the calling replica's stream.
 The worker part of the key is the ``(task_type, task_id)`` of the process: the
 ``worker=`` argument if given, else the ``cluster_resolver`` of the strategy the RNG is
 created under, else ``TF_CONFIG``, else ``("worker", 0)``. So a single-process run has
-the streams of task ``worker:0`` of a cluster. In ``MultiWorkerMirroredStrategy`` the
-replica ids are already global; the worker part additionally separates
-``ParameterServerStrategy`` workers, whose single replica is always replica 0.
+the streams of task ``worker:0`` of a cluster.
+
+Under ``tf.distribute`` (creating an RNG in the scope of any other strategy, or drawing
+under one, raises :class:`~safevars.UnsupportedStrategyError` naming the supported ones):
+
+* **No strategy, ``OneDeviceStrategy``, ``MirroredStrategy``**: one stream per replica
+  of this process, each on its replica's device when created in ``strategy.scope()``;
+  inside ``strategy.run`` a draw uses ``replica_id_in_sync_group``'s stream.
+* **``MultiWorkerMirroredStrategy``**: every worker process creates the RNG in
+  ``strategy.scope()`` with the same seed. Its worker part is the process's task from
+  the strategy's ``cluster_resolver`` (that is, ``TF_CONFIG``), its replica ids are the
+  global ``replica_id_in_sync_group``: replica ``r`` of worker ``w`` draws
+  ``philox(key(seed, ("worker", w), r), counter)``. So two workers never share a stream
+  even if they ran the same replica ids, and a rerun with the same seed on the same
+  cluster gives bitwise the same values per (worker, replica). Each process holds
+  ``num_replicas_in_sync`` streams but only those of its local replicas move.
+* **``ParameterServerStrategy``** (with ``ClusterCoordinator``): the coordinator creates
+  the RNG in ``strategy.scope()``. It holds ``num_replicas`` streams for every worker
+  task ``w`` of the cluster, keyed by ``(seed, ("worker", w), r)`` (the streams of
+  ``ReplicaRNG(seed, worker=("worker", w))``). Where the state lives is the design
+  choice: not on the coordinator (every worker's draws would be a round trip to the
+  process that drives the training), not in per-worker resources on the workers
+  (``ClusterCoordinator`` rebuilds those from scratch on a restarted worker, which would
+  replay values it already handed out, and a coordinator checkpoint cannot save them),
+  but on parameter server ``w % num_ps``: where the model's variables already are,
+  reachable from every worker, saved and restored by ``tf.train.Checkpoint`` on the
+  coordinator, and untouched by a worker failure. In a function run by
+  ``ClusterCoordinator.schedule``, a draw uses a state handle that is an input of the
+  function, bound each time the coordinator calls it on a worker to that worker's
+  stream (the call-time capture behind
+  ``tf.distribute.coordinator.experimental_get_current_worker_index()``). It fetches and
+  advances the counter on the PS (one ``RngReadAndSkip``: three integers travel) and
+  computes the values on the worker with the stateless kernel. An eager draw on the
+  coordinator runs on no worker and raises; :meth:`ReplicaRNG.for_worker` gives a
+  named worker's stream.
+
+  What "reproducible" means there: the coordinator decides at run time which worker runs
+  which step, so *which step* gets which values from the worker streams is not
+  reproducible. What is: worker ``w``'s draws, in the order it made them, are exactly
+  stream ``(seed, w, r)``, bitwise the same in every run and process given the sequence
+  of draws it made, and the workers' streams never overlap. A step's randomness that
+  must not depend on scheduling (to compare two runs step by step) is keyed by the step
+  instead: pass the step number as an argument of the scheduled function and draw with
+  ``tf.random.stateless_*(..., seed=rng.element_seed(step))``. Pure seeds
+  (:meth:`ReplicaRNG.seed_for`, :meth:`ReplicaRNG.element_seed`, ...) use the RNG's own
+  worker part, the coordinator's (``("chief", 0)`` by default), so they are the same on
+  every worker. Counters on the PS only move forward, so when ``ClusterCoordinator``
+  reruns a step after a worker failure, no value is handed out twice.
 
 NOTES:
   What is *not* guaranteed:
@@ -56,9 +103,15 @@ NOTES:
     restarts.
   * Philox integer streams are identical on every device; floating-point transforms of
     them (normal, truncated normal) may differ in the last bits between CPU and GPU.
-  * ``ParameterServerStrategy``: the state variables are created by the RNG itself, on
-    the device current at construction (the strategy does not place them); scheduling
-    draws through a ``ClusterCoordinator`` is not covered yet.
+  * ``ParameterServerStrategy``: every draw is a round trip to a parameter server
+    (three integers), like any PS variable read; the streams are placed by the RNG
+    (round robin over the PS tasks, never sharded by the strategy's
+    ``variable_partitioner``). A ``tf.function`` that draws and is called on the
+    coordinator instead of being scheduled raises when called, not when traced.
+  * ``MultiWorkerMirroredStrategy`` checkpoints: restore each worker from a checkpoint
+    it wrote itself. Restoring the chief's checkpoint on another worker gives that
+    worker the chief's keys: fresh streams (the chief never moved them), not a
+    continuation of its own.
 """
 
 from __future__ import annotations
@@ -74,6 +127,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute.coordinator import coordinator_context as _dispatch_context
+from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import (
     gen_stateful_random_ops,
     gen_stateless_random_ops_v2,
@@ -81,7 +136,8 @@ from tensorflow.python.ops import (
 )
 
 from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
-from safevars.errors import InvalidArgumentError
+from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy
+from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 
 __all__ = ["ReplicaRNG", "ReplicaStream"]
 
@@ -233,87 +289,82 @@ def _detect_worker() -> tuple[str, int]:
     return "worker", 0
 
 
+# --------------------------------------------------------------------- strategies
+
+# The default identity of a ParameterServerStrategy coordinator (its TF_CONFIG task).
+_COORDINATOR = ("chief", 0)
+
+_SUPPORTED_USES = (
+    "Supported: a ReplicaRNG created in (or outside) the scope of "
+    + ", ".join(s for s in SUPPORTED_STRATEGIES if not s.startswith("ParameterServer"))
+    + " and drawn in that strategy's replicas or outside any strategy; and a ReplicaRNG "
+    "created in ParameterServerStrategy.scope() on the coordinator and drawn in "
+    "tf.functions run by that strategy's ClusterCoordinator.schedule (or from "
+    "rng.for_worker(w))."
+)
+
+
+def _is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
+    return any(cls.__name__ == "ParameterServerStrategyV2" for cls in type(strategy).__mro__)
+
+
+def _parameter_server_tasks(strategy: tf.distribute.Strategy) -> tuple[int, int]:
+    """``(num_workers, num_ps)`` of a ``ParameterServerStrategy``'s cluster."""
+    extended = strategy.extended
+    num_workers = getattr(extended, "_num_workers", None)
+    num_ps = getattr(extended, "_num_ps", None)
+    if not (_is_int(num_workers) and _is_int(num_ps) and num_workers >= 1 and num_ps >= 1):
+        raise UnsupportedStrategyError(
+            "ReplicaRNG cannot read the number of workers and parameter servers of this "
+            f"{type(strategy).__name__} (got num_workers={num_workers!r}, "
+            f"num_ps={num_ps!r}); this TensorFlow version is not supported. "
+            + _SUPPORTED_USES
+        )
+    return int(num_workers), int(num_ps)
+
+
+def _ps_device(task: int) -> str:
+    return f"/job:ps/replica:0/task:{task}/device:CPU:0"
+
+
 # --------------------------------------------------------------------- one stream
 
 
-class ReplicaStream(tf.Module):
-    """The random stream of one replica of one worker: a Philox key and counter.
+_Kernels = tuple[Callable[..., Any], Callable[..., Any]]
 
-    Obtained from :meth:`ReplicaRNG.for_replica` (or :meth:`ReplicaRNG.current_stream`);
-    not constructed directly. The draw methods mirror ``tf.random.Generator`` and return
-    the same dtypes; every draw advances this stream and no other.
 
-    Attributes:
-      replica_id: The replica this stream belongs to.
-      key: The 64-bit Philox key (unsigned), derived from ``(seed, worker, replica_id)``.
-      state: The int64 ``[counter_lo, counter_hi, key]`` resource variable (checkpointed).
+def _delta(shape: Any, size: int | None) -> tf.Tensor:
+    """The counter advance of a draw: its number of elements, as a uint64 scalar."""
+    if size is not None:
+        return tf.constant(size, tf.uint64)
+    return tf.cast(tf.reduce_prod(tf.cast(shape, tf.int64)), tf.uint64)
+
+
+def _read_and_skip(handle: tf.Tensor, delta: tf.Tensor) -> tf.Tensor:
+    """Fetches ``[counter_lo, counter_hi, key]`` and advances the counter, atomically.
+
+    The op runs where the state lives (a parameter server under
+    ``ParameterServerStrategy``); only the three integers travel.
     """
+    return gen_stateful_random_ops.rng_read_and_skip(handle, alg=_PHILOX, delta=delta)
 
-    def __init__(
-        self, rng: ReplicaRNG, replica_id: int, device: str | None, name: str
-    ) -> None:
-        super().__init__(name=name)
-        self._rng_seed = rng.seed
-        self.replica_id = replica_id
-        self._worker_id = rng.worker
-        self.key = int(self._sequence(_DOMAIN_STREAM).generate_state(1, np.uint64)[0])
-        placement = tf.device(device) if device is not None else contextlib.nullcontext()
-        with tf.init_scope(), placement:
-            # A ResourceVariable built directly bypasses the variable-creator stack, so the
-            # state is one plain variable per stream under any strategy scope (never
-            # mirrored, never sharded, never placed on a parameter server).
-            self.state = resource_variable_ops.ResourceVariable(
-                [0, 0, _to_int64(self.key)], trainable=False, dtype=tf.int64,
-                name=f"{name}_state",
-            )
 
-    @property
-    def worker(self) -> tuple[str, int]:
-        """The ``(task_type, task_id)`` of the worker, part of the key."""
-        return (str(self._worker_id[0]), int(self._worker_id[1]))
+def _stateless_draw(
+    stateless: Callable[..., Any], shape: Any, state: tf.Tensor, **kwargs: Any
+) -> tf.Tensor:
+    """Fills ``shape`` from a fetched ``[counter_lo, counter_hi, key]`` state."""
+    counter, key = tf.split(tf.bitcast(state, tf.uint64), [2, 1])
+    return stateless(shape, key=key, counter=counter, alg=_PHILOX, **kwargs)
 
-    def __repr__(self) -> str:
-        task_type, task_id = self.worker
-        return (
-            f"<safevars.ReplicaStream replica={self.replica_id} worker={task_type}:{task_id} "
-            f"key={self.key:#018x}>"
-        )
 
-    # -- distributions --------------------------------------------------------------
+class _Draws:
+    """The distributions, built on ``_generate``: shared by one stream
+    (:class:`ReplicaStream`) and a stream chosen at run time (:class:`_SelectedStream`),
+    so both draw bitwise the same values for the same key and counter."""
 
-    def _generate(self, kernels: tuple[Callable[..., Any], Callable[..., Any]],
-                  shape: Any, **kwargs: Any) -> tf.Tensor:
-        """Draws ``philox(key, counter)`` values of ``shape`` and advances the counter.
+    def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
+        raise NotImplementedError
 
-        Two equivalent forms (bitwise the same values and final state, tested):
-
-        * fused: one kernel fetches the counter, fills the output and advances the
-          counter by the number of elements, under the state variable's mutex;
-        * split: ``RngReadAndSkip`` fetches-and-advances the counter atomically, then
-          the stateless kernel fills the output from the fetched key and counter outside
-          the mutex (what ``tf.random.Generator`` does).
-
-        Eagerly, and in a graph for draws of fewer than ``_FUSED_MAX_ELEMENTS`` static
-        elements, the fused form runs (one op instead of four). Larger or dynamic draws
-        in a graph use the split form, so that independent draws of one graph fill
-        their outputs in parallel.
-        """
-        fused, stateless = kernels
-        shape = _shape(shape)
-        if tf.executing_eagerly():
-            return fused(self.state.handle, _PHILOX, shape, **kwargs)
-        size = _static_num_elements(shape)
-        if size is not None and size < _FUSED_MAX_ELEMENTS:
-            return fused(self.state.handle, _PHILOX, shape, **kwargs)
-        if size is not None:
-            delta = tf.constant(size, tf.uint64)
-        else:
-            delta = tf.cast(tf.reduce_prod(tf.cast(shape, tf.int64)), tf.uint64)
-        state = gen_stateful_random_ops.rng_read_and_skip(
-            self.state.handle, alg=_PHILOX, delta=delta
-        )
-        counter, key = tf.split(tf.bitcast(state, tf.uint64), [2, 1])
-        return stateless(shape, key=key, counter=counter, alg=_PHILOX, **kwargs)
 
     def normal(
         self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
@@ -339,7 +390,9 @@ class ReplicaStream(tf.Module):
 
         Modes: eagerly the draw runs at once; in a ``tf.function`` it runs each time the
           function runs (tracing draws nothing). Under ``tf.distribute`` it uses this
-          stream whatever replica calls it.
+          stream whatever replica or worker calls it (a stream of
+          :meth:`ReplicaRNG.for_worker` lives on a parameter server, reachable from the
+          coordinator and every worker).
         """
         dtype = _float_dtype(dtype)
         with tf.name_scope(name or "normal"):
@@ -502,18 +555,16 @@ class ReplicaStream(tf.Module):
         """
         return self._full_int([2], tf.int64, "make_seed")
 
-    def keras_seed_generator(self, name: str | None = None) -> Any:
-        """A ``keras.random.SeedGenerator`` whose ``next()`` draws from this stream.
 
-        See :meth:`ReplicaRNG.keras_seed_generator` for the replica-aware variant.
+class _PureSeeds:
+    """Seeds that are pure functions of ``(seed, worker, replica_id, keys)``: no stream moves.
 
-        Thread safety: as :meth:`normal`.
+    Subclasses provide ``_rng_seed``, ``replica_id`` and the ``worker`` property.
+    """
 
-        Modes: as :meth:`normal`.
-        """
-        return _seed_generator_class()(self.make_seed, self.seed_for("keras", name or ""), name)
-
-    # -- pure seeds (no stream is advanced) -------------------------------------------
+    _rng_seed: int
+    replica_id: int
+    worker: Any
 
     def seed_for(self, *keys: str | int) -> int:
         """An integer seed named by ``keys``: see :meth:`ReplicaRNG.seed_for`."""
@@ -545,6 +596,127 @@ class ReplicaStream(tf.Module):
 
     def _sequence(self, domain: int, *words: int) -> np.random.SeedSequence:
         return _sequence(self._rng_seed, self.worker, domain, self.replica_id, *words)
+
+
+class ReplicaStream(_Draws, _PureSeeds, tf.Module):
+    """The random stream of one replica of one worker: a Philox key and counter.
+
+    Obtained from :meth:`ReplicaRNG.for_replica`, :meth:`ReplicaRNG.for_worker` (under
+    ``ParameterServerStrategy``) or :meth:`ReplicaRNG.current_stream`; not constructed
+    directly. The draw methods mirror ``tf.random.Generator`` and return the same
+    dtypes; every draw advances this stream and no other.
+
+    Attributes:
+      replica_id: The replica this stream belongs to.
+      key: The 64-bit Philox key (unsigned), derived from ``(seed, worker, replica_id)``.
+      state: The int64 ``[counter_lo, counter_hi, key]`` resource variable (checkpointed).
+    """
+
+    def __init__(
+        self, seed: int, worker: tuple[str, int], replica_id: int, device: str | None,
+        name: str,
+    ) -> None:
+        super().__init__(name=name)
+        self._rng_seed = seed
+        self.replica_id = replica_id
+        self._worker_id = worker
+        self.key = int(self._sequence(_DOMAIN_STREAM).generate_state(1, np.uint64)[0])
+        placement = tf.device(device) if device is not None else contextlib.nullcontext()
+        with tf.init_scope(), placement:
+            # A ResourceVariable built directly bypasses the variable-creator stack, so the
+            # state is one plain variable per stream under any strategy scope (never
+            # mirrored, never sharded, placed by ReplicaRNG alone).
+            self.state = resource_variable_ops.ResourceVariable(
+                [0, 0, _to_int64(self.key)], trainable=False, dtype=tf.int64,
+                name=f"{name}_state",
+            )
+
+    @property
+    def worker(self) -> tuple[str, int]:
+        """The ``(task_type, task_id)`` of the worker, part of the key."""
+        return (str(self._worker_id[0]), int(self._worker_id[1]))
+
+    def __repr__(self) -> str:
+        task_type, task_id = self.worker
+        return (
+            f"<safevars.ReplicaStream replica={self.replica_id} worker={task_type}:{task_id} "
+            f"key={self.key:#018x}>"
+        )
+
+    def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
+        """Draws ``philox(key, counter)`` values of ``shape`` and advances the counter.
+
+        Two equivalent forms (bitwise the same values and final state, tested):
+
+        * fused: one kernel fetches the counter, fills the output and advances the
+          counter by the number of elements, under the state variable's mutex;
+        * split: ``RngReadAndSkip`` fetches-and-advances the counter atomically, then
+          the stateless kernel fills the output from the fetched key and counter outside
+          the mutex (what ``tf.random.Generator`` does).
+
+        Eagerly, and in a graph for draws of fewer than ``_FUSED_MAX_ELEMENTS`` static
+        elements, the fused form runs (one op instead of four). Larger or dynamic draws
+        in a graph use the split form, so that independent draws of one graph fill
+        their outputs in parallel.
+        """
+        fused, stateless = kernels
+        shape = _shape(shape)
+        if tf.executing_eagerly():
+            return fused(self.state.handle, _PHILOX, shape, **kwargs)
+        size = _static_num_elements(shape)
+        if size is not None and size < _FUSED_MAX_ELEMENTS:
+            return fused(self.state.handle, _PHILOX, shape, **kwargs)
+        state = _read_and_skip(self.state.handle, _delta(shape, size))
+        return _stateless_draw(stateless, shape, state, **kwargs)
+
+    def keras_seed_generator(self, name: str | None = None) -> Any:
+        """A ``keras.random.SeedGenerator`` whose ``next()`` draws from this stream.
+
+        See :meth:`ReplicaRNG.keras_seed_generator` for the replica-aware variant.
+
+        Thread safety: as :meth:`normal`.
+
+        Modes: as :meth:`normal`.
+        """
+        return _seed_generator_class()(self.make_seed, self.seed_for("keras", name or ""), name)
+
+
+class _SelectedStream(_Draws):
+    """The stream whose state handle is ``handles[index]``, in a graph.
+
+    Used when the stream is only known when the graph runs: a replica id that is a
+    run-time tensor (one ``tf.switch_case`` picks the counter to fetch-and-advance), or,
+    under ``ParameterServerStrategy``, a handle bound when the coordinator calls the
+    function on a worker (a single handle, no control flow). ``RngReadAndSkip`` runs on
+    the state's device; the stateless kernel then fills the values where the draw runs.
+    They are bitwise those the chosen :class:`ReplicaStream` would draw.
+    """
+
+    def __init__(self, handles: Sequence[tf.Tensor], index: int | tf.Tensor) -> None:
+        self._handles = tuple(handles)
+        self._index = index
+
+    def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
+        _, stateless = kernels
+        shape = _shape(shape)
+        delta = _delta(shape, _static_num_elements(shape))
+        if isinstance(self._index, int):
+            state = _read_and_skip(self._handles[self._index], delta)
+        else:
+            state = tf.switch_case(
+                tf.cast(self._index, tf.int32),
+                [functools.partial(_read_and_skip, h, delta) for h in self._handles],
+            )
+        return _stateless_draw(stateless, shape, state, **kwargs)
+
+
+class _Identity(_PureSeeds):
+    """``(seed, worker, replica_id)`` for pure seeds, without a stream."""
+
+    def __init__(self, seed: int, worker: tuple[str, int], replica_id: int) -> None:
+        self._rng_seed = seed
+        self.worker = worker
+        self.replica_id = replica_id
 
 
 def _sequence(
@@ -599,6 +771,12 @@ class ReplicaRNG(tf.Module):
     use the current replica's stream; in cross-replica context and outside any strategy
     they use replica 0's.
 
+    Created in the scope of a ``ParameterServerStrategy`` (on the coordinator), it holds
+    ``num_replicas`` streams for *every* worker of the cluster, on the parameter
+    servers, and its draw methods work in functions run by
+    ``ClusterCoordinator.schedule``: each draw uses the stream of the worker that runs
+    it (see the module docstring).
+
     Example::
 
         rng = safevars.ReplicaRNG(1234, num_replicas=strategy.num_replicas_in_sync)
@@ -610,16 +788,22 @@ class ReplicaRNG(tf.Module):
     Args:
       seed: A non-negative Python int; the only input the streams depend on (with the
         worker and replica ids).
-      num_replicas: Number of replica streams, ``>= 1``. Default: the
-        ``num_replicas_in_sync`` of the current strategy (1 outside any strategy).
+      num_replicas: Number of replica streams (per worker under
+        ``ParameterServerStrategy``), ``>= 1``. Default: the ``num_replicas_in_sync``
+        of the current strategy (1 outside any strategy).
       worker: ``(task_type, task_id)`` of this process, part of every key. Default: the
         current strategy's ``cluster_resolver``, else ``TF_CONFIG``, else
-        ``("worker", 0)``.
+        ``("worker", 0)``. Under ``ParameterServerStrategy`` it is the coordinator's
+        identity, used by the pure seeds (:meth:`seed_for`, ...), default
+        ``("chief", 0)``; worker ``w``'s streams are always keyed by ``("worker", w)``.
       name: Module name (the checkpoint does not depend on it).
 
     Raises:
       InvalidArgumentError: ``seed`` is negative, not an int or a bool; ``num_replicas``
         is not a positive int; ``worker`` is not a ``(str, non-negative int)`` pair.
+      UnsupportedStrategyError: created in the scope of a strategy safevars does not
+        support (``CentralStorageStrategy``, ``TPUStrategy``, the TF1
+        ``ParameterServerStrategy``, ...); the message names the supported ones.
     """
 
     def __init__(
@@ -632,24 +816,48 @@ class ReplicaRNG(tf.Module):
     ) -> None:
         seed = _check_seed(seed)
         strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        if strategy is not None:
+            check_strategy(strategy)
+        parameter_server = strategy is not None and _is_parameter_server(strategy)
         if num_replicas is None:
             num_replicas = strategy.num_replicas_in_sync if strategy is not None else 1
         num_replicas = _check_int(
             num_replicas, "num_replicas", 1,
             "Pass the number of replicas, for example strategy.num_replicas_in_sync.",
         )
-        worker = _check_worker(worker) if worker is not None else _detect_worker()
+        if worker is not None:
+            worker = _check_worker(worker)
+        else:
+            worker = _COORDINATOR if parameter_server else _detect_worker()
+        # Every check is done: nothing below can fail on a user's argument.
         super().__init__(name=name or "replica_rng")
         self._seed = seed
         self._num_replicas = num_replicas
         self._worker = worker
-        devices: Sequence[str | None] = [None] * num_replicas
-        if strategy is not None:
-            local = list(getattr(strategy.extended, "worker_devices", ()) or ())
-            if len(local) == num_replicas:
-                devices = local
+        self._parameter_server = parameter_server
+        # (worker identity, replica id, device, name) of every stream, worker-major.
+        specs: list[tuple[tuple[str, int], int, str | None, str]]
+        if parameter_server:
+            assert strategy is not None
+            num_workers, num_ps = _parameter_server_tasks(strategy)
+            # Stream (w, r) lives on a parameter server: reachable by every worker and by
+            # the coordinator's checkpoints; keyed by the worker task it serves.
+            specs = [
+                (("worker", w), r, _ps_device(w % num_ps), f"worker_{w}_replica_{r}")
+                for w in range(num_workers) for r in range(num_replicas)
+            ]
+        else:
+            num_workers = 1
+            devices: Sequence[str | None] = [None] * num_replicas
+            if strategy is not None:
+                local = list(getattr(strategy.extended, "worker_devices", ()) or ())
+                if len(local) == num_replicas:
+                    devices = local
+            specs = [(worker, r, devices[r], f"replica_{r}") for r in range(num_replicas)]
+        self._num_workers = num_workers
         self._streams = [
-            ReplicaStream(self, r, devices[r], name=f"replica_{r}") for r in range(num_replicas)
+            ReplicaStream(seed, identity, r, device, name=stream_name)
+            for identity, r, device, stream_name in specs
         ]
 
     # -- identity -------------------------------------------------------------------
@@ -661,24 +869,36 @@ class ReplicaRNG(tf.Module):
 
     @property
     def num_replicas(self) -> int:
-        """The number of replica streams."""
+        """The number of replica streams (of each worker under ``ParameterServerStrategy``)."""
         return self._num_replicas
 
     @property
+    def num_workers(self) -> int:
+        """The number of workers whose streams this RNG holds: the cluster's workers
+        under ``ParameterServerStrategy``, else 1 (this process)."""
+        return self._num_workers
+
+    @property
     def worker(self) -> tuple[str, int]:
-        """The ``(task_type, task_id)`` that is part of every key."""
+        """The ``(task_type, task_id)`` that is part of every key (of the pure seeds only
+        under ``ParameterServerStrategy``: the coordinator)."""
         return (str(self._worker[0]), int(self._worker[1]))
 
     @property
     def streams(self) -> tuple[ReplicaStream, ...]:
-        """Every replica stream, indexed by replica id."""
+        """Every stream: stream ``worker * num_replicas + replica``, worker-major (outside
+        ``ParameterServerStrategy`` there is one worker, so this is by replica id)."""
         return tuple(self._streams)
 
     def __repr__(self) -> str:
         task_type, task_id = self._worker
+        cluster = (
+            f" num_workers={self._num_workers} (ParameterServerStrategy)"
+            if self._parameter_server else ""
+        )
         return (
-            f"<safevars.ReplicaRNG seed={self._seed} num_replicas={self._num_replicas} "
-            f"worker={task_type}:{task_id}>"
+            f"<safevars.ReplicaRNG seed={self._seed} num_replicas={self._num_replicas}"
+            f"{cluster} worker={task_type}:{task_id}>"
         )
 
     # -- choosing a stream ------------------------------------------------------------
@@ -694,9 +914,54 @@ class ReplicaRNG(tf.Module):
 
         Raises:
           InvalidArgumentError: ``replica_id`` is not an int, is negative or is
-            ``>= num_replicas``.
+            ``>= num_replicas``; or the RNG was created under ``ParameterServerStrategy``
+            (every worker has a replica ``replica_id``: use :meth:`for_worker`).
         """
+        if self._parameter_server:
+            raise InvalidArgumentError(
+                f"replica_id={replica_id!r} does not name one stream: this ReplicaRNG was "
+                f"created under ParameterServerStrategy and has a stream per worker "
+                f"({self._num_workers}) and replica. Use for_worker(worker_index, "
+                "replica_id), or the RNG's own draw methods in a scheduled function."
+            )
         return self._streams[self._check_replica(replica_id, "replica_id")]
+
+    def for_worker(self, worker_index: int, replica_id: int = 0) -> ReplicaStream:
+        """The stream of replica ``replica_id`` of worker task ``worker_index``.
+
+        Only for an RNG created under ``ParameterServerStrategy``, where the coordinator
+        holds every worker's streams: use it to draw for a known worker from the
+        coordinator, or to check what a worker drew. The stream equals stream
+        ``replica_id`` of ``ReplicaRNG(seed, worker=("worker", worker_index))`` (same
+        key, so the same values from the same counter).
+
+        Args:
+          worker_index: The worker's task id, in ``[0, num_workers)``.
+          replica_id: The replica on that worker, in ``[0, num_replicas)``.
+
+        Returns:
+          The :class:`ReplicaStream` (its state lives on a parameter server).
+
+        Raises:
+          InvalidArgumentError: bad ``worker_index`` or ``replica_id``; or the RNG was not
+            created under ``ParameterServerStrategy`` (another process's streams are
+            ``ReplicaRNG(seed, worker=(task_type, task_id)).for_replica(r)``).
+        """
+        if not self._parameter_server:
+            task_type, task_id = self._worker
+            raise InvalidArgumentError(
+                f"for_worker(worker_index={worker_index!r}) is for a ReplicaRNG created in "
+                "ParameterServerStrategy.scope(); this one holds the streams of "
+                f"{task_type}:{task_id} only: use for_replica(replica_id). The streams of "
+                "another process are ReplicaRNG(seed, worker=(task_type, task_id))"
+                ".for_replica(replica_id)."
+            )
+        fix = f"Worker indices are 0..{self._num_workers - 1} (the cluster's worker tasks)."
+        worker_index = _check_int(worker_index, "worker_index", 0, fix)
+        if worker_index >= self._num_workers:
+            raise InvalidArgumentError(f"worker_index={worker_index} is out of range. {fix}")
+        replica_id = self._check_replica(replica_id, "replica_id")
+        return self._streams[worker_index * self._num_replicas + replica_id]
 
     def _check_replica(self, replica_id: Any, argument: str) -> int:
         if isinstance(replica_id, (tf.Tensor, tf.Variable)):
@@ -720,9 +985,32 @@ class ReplicaRNG(tf.Module):
             )
         return replica_id
 
+    def _check_draw_strategy(self) -> None:
+        """Raises if the current strategy cannot use this RNG's streams."""
+        strategy = tf.distribute.get_strategy()
+        check_strategy(strategy)
+        if _is_parameter_server(strategy) == self._parameter_server:
+            return
+        if self._parameter_server:
+            raise UnsupportedStrategyError(
+                f"this ReplicaRNG was created under ParameterServerStrategy: its streams "
+                f"are chosen by worker index, so it cannot draw under "
+                f"{type(strategy).__name__}. " + _SUPPORTED_USES
+            )
+        raise UnsupportedStrategyError(
+            "this ReplicaRNG was created outside ParameterServerStrategy.scope(): its "
+            "streams are this process's replicas, not the cluster's workers, so every "
+            "worker would share one stream in whatever order the coordinator schedules "
+            "steps. Create it inside strategy.scope() on the coordinator. "
+            + _SUPPORTED_USES
+        )
+
     def _current_replica(self) -> int | tf.Tensor:
         """The replica id of the calling context: an int, or an int32 tensor (TPU)."""
-        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        if not tf.distribute.has_strategy():
+            return 0
+        self._check_draw_strategy()
+        if tf.distribute.in_cross_replica_context():
             return 0
         context = tf.distribute.get_replica_context()
         if context is None:  # pragma: no cover - covered by in_cross_replica_context
@@ -748,17 +1036,72 @@ class ReplicaRNG(tf.Module):
         Raises:
           InvalidArgumentError: the replica id of the replica context is out of range
             (the RNG has fewer streams than the strategy has replicas), or it is only
-            known at run time (use the RNG's own draw methods then).
+            known at run time (use the RNG's own draw methods then), or the RNG was
+            created under ``ParameterServerStrategy`` (the worker is only known at run
+            time: use the draw methods or :meth:`for_worker`).
         """
         return self.for_replica(self._current_replica())
 
-    def _draw(self, method: Callable[..., tf.Tensor], *args: Any, **kwargs: Any) -> tf.Tensor:
+    def _select(self) -> _Draws:
+        """The stream the calling context draws from (validated before any draw)."""
         replica = self._current_replica()
+        if self._parameter_server:
+            return self._executing_worker_stream(replica)
         if isinstance(replica, int):
-            return method(self._streams[replica], *args, **kwargs)
-        # A replica id known only at run time (e.g. TPUStrategy): one branch per stream.
-        branches = [functools.partial(method, s, *args, **kwargs) for s in self._streams]
-        return tf.switch_case(tf.cast(replica, tf.int32), branches)
+            return self._streams[replica]
+        # A replica id known only at run time (e.g. TPUStrategy).
+        return _SelectedStream([s.state.handle for s in self._streams], replica)
+
+    def _executing_worker_stream(self, replica: int | tf.Tensor) -> _SelectedStream:
+        """Under ParameterServerStrategy: the stream of (executing worker, replica).
+
+        The state handle is an input of the function bound at *call* time, when
+        ``ClusterCoordinator`` runs it on a worker (the mechanism of
+        ``tf.distribute.coordinator.experimental_get_current_worker_index``): the draw is
+        then one ``RngReadAndSkip`` on the worker's state, like a draw from any
+        captured variable. Selecting the state in the graph from the worker index
+        instead (``tf.switch_case`` over every worker's state) took about 1.5x the time
+        of a ``tf.random.Generator`` draw per scheduled step in a 3-worker, 1-PS
+        loopback cluster; the bound handle takes about the same time as the Generator.
+        """
+        if not tf.inside_function():
+            raise UnsupportedStrategyError(
+                "this ReplicaRNG was created under ParameterServerStrategy, where a draw "
+                "uses the stream of the worker that runs it; an eager call on the "
+                "coordinator runs on no worker. Draw inside a tf.function run by "
+                "ClusterCoordinator.schedule, or from a named worker's stream with "
+                "rng.for_worker(worker_index). " + _SUPPORTED_USES
+            )
+        graph = tf.compat.v1.get_default_graph()
+        # Bind in the outermost function graph (the one the coordinator calls); a draw
+        # in a tf.cond branch or loop body then captures that input as usual.
+        while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+            graph = graph.outer_graph
+        if isinstance(replica, int):
+            return _SelectedStream([self._call_time_handle(graph, replica)], 0)
+        handles = [self._call_time_handle(graph, r) for r in range(self._num_replicas)]
+        return _SelectedStream(handles, replica)
+
+    def _call_time_handle(self, graph: Any, replica: int) -> tf.Tensor:
+        """A placeholder fed, at each call, with the state handle of stream (executing
+        worker, ``replica``)."""
+        streams, num_replicas = self._streams, self._num_replicas
+
+        def executing_worker_handle() -> tf.Tensor:
+            dispatch = _dispatch_context.get_current_dispatch_context()
+            if dispatch is None:
+                raise UnsupportedStrategyError(
+                    "a tf.function drawing from a ReplicaRNG created under "
+                    "ParameterServerStrategy ran outside ClusterCoordinator.schedule, "
+                    "so no worker's stream applies. Schedule it with the coordinator. "
+                    + _SUPPORTED_USES
+                )
+            return streams[dispatch.worker_index * num_replicas + replica].state.handle
+
+        return graph.capture_call_time_value(
+            executing_worker_handle, tf.TensorSpec([], tf.resource),
+            key=("safevars.ReplicaRNG", id(self), replica),
+        )
 
     # -- draws on the current replica's stream -----------------------------------------
 
@@ -768,15 +1111,22 @@ class ReplicaRNG(tf.Module):
 
         Raises:
           InvalidArgumentError: as :meth:`current_stream`, or a bad ``dtype``.
+          UnsupportedStrategyError: the current strategy is not supported, or is not the
+            kind the RNG was created under (``ParameterServerStrategy`` or not); or an
+            eager call on a ``ParameterServerStrategy`` coordinator.
 
         Thread safety: as :meth:`ReplicaStream.normal`; under ``MirroredStrategy`` every
-          replica thread advances only its own stream.
+          replica thread advances only its own stream; under ``ParameterServerStrategy``
+          concurrent workers advance their own counters on the parameter server.
 
         Modes: eager and ``tf.function``; inside ``strategy.run`` the replica comes from
           ``tf.distribute.get_replica_context()`` (a run-time replica id selects the
-          stream with ``tf.switch_case``).
+          stream with ``tf.switch_case``). Under ``ParameterServerStrategy``, only in a
+          ``tf.function`` run by ``ClusterCoordinator.schedule``: the stream of the
+          worker the coordinator runs the function on, bound at each call (the values
+          are computed on that worker).
         """
-        return self._draw(ReplicaStream.normal, shape, mean, stddev, dtype, name)
+        return self._select().normal(shape, mean, stddev, dtype, name)
 
     def truncated_normal(self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
                          dtype: Any = tf.float32, name: str | None = None) -> tf.Tensor:
@@ -786,7 +1136,7 @@ class ReplicaRNG(tf.Module):
 
         Modes: as :meth:`normal`.
         """
-        return self._draw(ReplicaStream.truncated_normal, shape, mean, stddev, dtype, name)
+        return self._select().truncated_normal(shape, mean, stddev, dtype, name)
 
     def uniform(self, shape: Any, minval: Any = 0, maxval: Any = None,
                 dtype: Any = tf.float32, name: str | None = None) -> tf.Tensor:
@@ -796,7 +1146,7 @@ class ReplicaRNG(tf.Module):
 
         Modes: as :meth:`normal`.
         """
-        return self._draw(ReplicaStream.uniform, shape, minval, maxval, dtype, name)
+        return self._select().uniform(shape, minval, maxval, dtype, name)
 
     def uniform_int(self, shape: Any, minval: Any, maxval: Any,
                     dtype: Any = tf.int64, name: str | None = None) -> tf.Tensor:
@@ -806,7 +1156,7 @@ class ReplicaRNG(tf.Module):
 
         Modes: as :meth:`normal`.
         """
-        return self._draw(ReplicaStream.uniform_int, shape, minval, maxval, dtype, name)
+        return self._select().uniform_int(shape, minval, maxval, dtype, name)
 
     integers = uniform_int
 
@@ -818,7 +1168,7 @@ class ReplicaRNG(tf.Module):
         Modes: as :meth:`normal`.
         """
         count = _check_int(count, "count", 1, "Ask for at least one seed.")
-        return self._draw(ReplicaStream.make_seeds, count)
+        return self._select().make_seeds(count)
 
     def make_seed(self) -> tf.Tensor:
         """:meth:`ReplicaStream.make_seed` on the current replica's stream.
@@ -827,7 +1177,7 @@ class ReplicaRNG(tf.Module):
 
         Modes: as :meth:`normal`.
         """
-        return self._draw(ReplicaStream.make_seed)
+        return self._select().make_seed()
 
     def keras_seed_generator(self, name: str | None = None) -> ReplicaSeedGenerator:
         """A ``keras.random.SeedGenerator`` that draws from the calling replica's stream.
@@ -849,7 +1199,7 @@ class ReplicaRNG(tf.Module):
 
         Modes: as :meth:`normal`; the replica is looked up at each ``next()``.
         """
-        seed = self.for_replica(0).seed_for("keras", name or "")
+        seed = self._pure(0).seed_for("keras", name or "")
         return _seed_generator_class()(self.make_seed, seed, name)
 
     def attach(self, layer: Any) -> int:
@@ -907,10 +1257,13 @@ class ReplicaRNG(tf.Module):
 
     # -- pure seeds: functions of (seed, worker, replica, keys); no stream moves --------
 
-    def _pure(self, replica_id: int | None) -> ReplicaStream:
+    def _pure(self, replica_id: int | None) -> _PureSeeds:
+        """``(seed, worker, replica)`` of the pure seeds: the RNG's own worker identity
+        (the coordinator's under ``ParameterServerStrategy``, so the same on every
+        worker) and the given or calling replica."""
         if replica_id is None:
-            return self.current_stream()
-        return self.for_replica(replica_id)
+            replica_id = self._current_replica()
+        return _Identity(self._seed, self.worker, self._check_replica(replica_id, "replica_id"))
 
     def seed_for(self, *keys: str | int, replica_id: int | None = None) -> int:
         """A Python int seed named by ``keys``, e.g. for ``keras.layers.Dropout(seed=...)``.
@@ -991,10 +1344,13 @@ class ReplicaRNG(tf.Module):
 
         Use inside ``dataset.enumerate().map(...)`` with ``tf.random.stateless_*`` or
         ``tf.image.stateless_random_*``: the augmentation of an element then depends on
-        its index only, not on ``num_parallel_calls`` or iteration order.
+        its index only, not on ``num_parallel_calls`` or iteration order. Under
+        ``ParameterServerStrategy``, pass a step number as ``index`` (an argument of the
+        scheduled function): the step's values are then the same whichever worker runs
+        it.
 
         Args:
-          index: The element index (a non-negative int or an integer tensor).
+          index: The element (or step) index: a non-negative int or an integer tensor.
           epoch: A non-negative int.
           replica_id: The replica; default the calling replica.
 

@@ -178,3 +178,15 @@ def test_unknown_shape_variable_accepts_any_shape(mode):
     mode(lambda: v.assign([1.0, 2.0, 3.0]))()
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0, 3.0])
     assert v.version == 1
+
+
+def test_errors_keep_their_type_through_autograph():
+    v = SafeVariable([1.0, 2.0])
+
+    @tf.function  # AutoGraph on: errors raised while tracing must keep their type
+    def write_wrong_shape():
+        v.assign([1.0])
+
+    with pytest.raises(safevars.ShapeMismatchError):
+        write_wrong_shape()
+    assert v.version == 0
