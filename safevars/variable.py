@@ -80,6 +80,13 @@ def _guard_for(variable: tf.Variable, version: int = 0) -> Guard:
 # take those methods instead of calling the kernels directly (the audit flips this).
 _direct_kernel_writes = True
 
+# The write kernels behind ResourceVariable.assign, assign_add and assign_sub.
+_KERNELS = {
+    "assign": gen_resource_variable_ops.assign_variable_op,
+    "assign_add": gen_resource_variable_ops.assign_add_variable_op,
+    "assign_sub": gen_resource_variable_ops.assign_sub_variable_op,
+}
+
 _SCATTER_METHODS = (
     "scatter_add",
     "scatter_sub",
@@ -294,67 +301,46 @@ class SafeVariable(wrapt.ObjectProxy):
         Modes: eagerly returns ``self`` (or ``None`` with ``read_value=False``); in a
         ``tf.function`` returns the value written (or the op), ordered after the write.
         """
-        tensor = self._checked(value, "value")
-        wrapped = self.__wrapped__
-        ctx = merge_context(wrapped) if self._self_mirrored else None
-        if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
-            return merged_write(
-                ctx, wrapped, lambda v: self.assign(v, use_locking, name, read_value), tensor
-            )
-        handle = self._self_handle
-        if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
-            self._self_guard.call_locked(
-                lambda: gen_resource_variable_ops.assign_variable_op(handle, tensor, name=name, validate_shape=self._self_validate_shape)
-            )
-            return self if read_value else None
-        return self._write(
-            lambda: wrapped.assign(tensor, use_locking, name, read_value=False), read_value
-        )
+        return self._assign_op("assign", value, "value", use_locking, name, read_value)
 
     def assign_add(
         self, delta: Any, use_locking: bool | None = None, name: str | None = None,
         read_value: bool = True,
     ) -> Any:
         """Adds ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
-        tensor = self._checked(delta, "delta")
-        wrapped = self.__wrapped__
-        ctx = merge_context(wrapped) if self._self_mirrored else None
-        if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
-            return merged_write(
-                ctx, wrapped, lambda v: self.assign_add(v, use_locking, name, read_value), tensor
-            )
-        handle = self._self_handle
-        if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
-            self._self_guard.call_locked(
-                lambda: gen_resource_variable_ops.assign_add_variable_op(handle, tensor, name=name)
-            )
-            return self if read_value else None
-        return self._write(
-            lambda: wrapped.assign_add(tensor, use_locking, name, read_value=False),
-            read_value,
-        )
+        return self._assign_op("assign_add", delta, "delta", use_locking, name, read_value)
 
     def assign_sub(
         self, delta: Any, use_locking: bool | None = None, name: str | None = None,
         read_value: bool = True,
     ) -> Any:
         """Subtracts ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
-        tensor = self._checked(delta, "delta")
+        return self._assign_op("assign_sub", delta, "delta", use_locking, name, read_value)
+
+    def _assign_op(
+        self, method: str, value: Any, argument: str, use_locking: bool | None,
+        name: str | None, read_value: bool,
+    ) -> Any:
+        """The one write path of ``assign``, ``assign_add`` and ``assign_sub``."""
+        tensor = self._checked(value, argument)
         wrapped = self.__wrapped__
         ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
             return merged_write(
-                ctx, wrapped, lambda v: self.assign_sub(v, use_locking, name, read_value), tensor
+                ctx, wrapped,
+                lambda v: self._assign_op(method, v, argument, use_locking, name, read_value),
+                tensor,
             )
         handle = self._self_handle
         if handle is not None and _direct_kernel_writes and tf.executing_eagerly():
-            self._self_guard.call_locked(
-                lambda: gen_resource_variable_ops.assign_sub_variable_op(handle, tensor, name=name)
-            )
+            kernel, kwargs = _KERNELS[method], {"name": name}
+            if method == "assign":
+                kwargs["validate_shape"] = self._self_validate_shape
+            self._self_guard.call_locked(lambda: kernel(handle, tensor, **kwargs))
             return self if read_value else None
+        wrapped_method = getattr(wrapped, method)
         return self._write(
-            lambda: wrapped.assign_sub(tensor, use_locking, name, read_value=False),
-            read_value,
+            lambda: wrapped_method(tensor, use_locking, name, read_value=False), read_value
         )
 
     def _strided_slice_assign(
