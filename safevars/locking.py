@@ -46,7 +46,12 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
 from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
-from safevars.errors import InvalidArgumentError, LockOrderError, LockReentryError
+from safevars.errors import (
+    InvalidArgumentError,
+    LockOrderError,
+    LockReentryError,
+    UnsupportedStrategyError,
+)
 
 __all__ = ["Guard", "LockStatistics", "graph_section", "guards_of", "held_in_graph", "hold"]
 
@@ -170,6 +175,15 @@ class Guard:
 
     def _enter_new(self, me: int) -> None:
         """Takes the lock for ``me`` (which does not hold it); caller checked the order."""
+        if self.runtime and "/job:ps" in self.device:
+            # An eager MutexLock from the coordinator on a parameter server's mutex,
+            # while scheduled steps take it too, was measured to hang: refuse instead.
+            raise UnsupportedStrategyError(
+                f"{self.name!r} lives on a parameter server and is locked by tf.functions "
+                "there; an eager write, transaction or snapshot from the coordinator "
+                "cannot take that lock safely. Do it inside a tf.function (scheduled with "
+                "ClusterCoordinator.schedule, or called on the coordinator)."
+            )
         self._mutex.acquire()
         try:
             self._owner = me

@@ -137,6 +137,7 @@ def test_parameter_server_cluster_loses_nothing():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json_line(proc.stdout)
     assert result["safe"] == 150.0 and result["safe_version"] == 150
+    assert result["eager_write"] == "refused"
     assert result["a"] + result["b"] == 100.0 and result["b"] == 50.0
     assert result["a_version"] == result["b_version"] == 50
     assert result["snapshot_sums"] == [100.0]  # no torn snapshot on any worker

@@ -57,11 +57,23 @@ def main() -> None:
     sums = [coordinator.schedule(move_step) for _ in range(args.steps // 3)]
     coordinator.join()
     observed = [r.fetch() for r in sums]
+    try:  # An eager write from the coordinator would contend for the PS mutex: refused.
+        counter.assign_add(1.0)
+        eager_write = "accepted"
+    except safevars.UnsupportedStrategyError:
+        eager_write = "refused"
+
+    @tf.function
+    def coordinator_write():
+        return counter.assign_add(1.0)
+
+    coordinator_write()  # the same write inside a tf.function works from the coordinator
     print(json.dumps({
         "steps": args.steps,
         "plain": float(plain.numpy()),
-        "safe": float(counter.numpy()),
-        "safe_version": int(counter.version),
+        "eager_write": eager_write,
+        "safe": float(counter.numpy()) - 1.0,
+        "safe_version": int(counter.version) - 1,
         "a": float(a.numpy()), "b": float(b.numpy()),
         "a_version": int(a.version), "b_version": int(b.version),
         "snapshot_sums": sorted({float(s) for s, _ in observed}),
