@@ -5,8 +5,7 @@
   a plain variable (racy, the baseline) against ``SafeVariable.update``. Lost updates are
   recorded per call. Issue goal: safe throughput at least 0.75x racy, i.e. a time ratio
   of at most 1/0.75.
-* ``mirrored/train_step``: a MirroredStrategy training step over two logical CPUs with
-  ``SafeOptimizer(Adam)`` against plain ``Adam`` (when SafeOptimizer is available).
+(The MirroredStrategy training-step ratio lives in the ``training`` family.)
 
 Not run by default (``--cases distributed``): it starts gRPC servers that live until the
 process exits, and needs ``portpicker``.

@@ -17,6 +17,7 @@ from safevars.errors import (
     UnsupportedStrategyError,
 )
 from safevars.locking import LockStatistics
+from safevars.optimizer import OptimizerStatistics, SafeOptimizer
 from safevars.rng import ReplicaRNG, ReplicaStream
 from safevars.snapshot import Snapshot, snapshot
 from safevars.transaction import locked, transaction
@@ -36,11 +37,13 @@ __all__ = [
     "LockStatistics",
     "NonFiniteGradientError",
     "NotCallableError",
+    "OptimizerStatistics",
     "Race",
     "RaceDetectedError",
     "ReplicaRNG",
     "ReplicaStream",
     "SafeVarsError",
+    "SafeOptimizer",
     "SafeVariable",
     "ShapeMismatchError",
     "Snapshot",
