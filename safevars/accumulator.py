@@ -68,6 +68,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 from tensorflow.python.util import nest  # flatten_up_to (not in tf.nest)
 
+from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy
 from safevars.errors import (
     AccumulatorTimeoutError,
     DTypeMismatchError,
@@ -75,6 +76,7 @@ from safevars.errors import (
     NonFiniteGradientError,
     ShapeMismatchError,
     StaleGradientError,
+    UnsupportedStrategyError,
 )
 from safevars.locking import Guard, graph_section, hold
 from safevars.snapshot import Snapshot
@@ -93,6 +95,13 @@ _STALE_POLICIES = ("drop", "raise", "scale")
 _NONFINITE_POLICIES = ("propagate", "raise", "skip")
 _NARROW_FLOATS = (tf.float16, tf.bfloat16, tf.float32)
 _POLL_SECONDS = 0.05
+# Prefixes of the run-time assertion messages, and the errors they stand for.
+_RUNTIME_ERRORS = (
+    ("safevars StaleGradientError", StaleGradientError),
+    ("safevars NonFiniteGradientError", NonFiniteGradientError),
+    ("safevars AccumulatorTimeoutError", AccumulatorTimeoutError),
+    ("safevars InvalidArgumentError", InvalidArgumentError),
+)
 
 
 class AccumulatorStatistics(NamedTuple):
@@ -156,6 +165,11 @@ class _Helpers:
         self.structure = structure
         self.prepare: Callable[..., Any] | None = None
         self.finish: Callable[..., Any] | None = None
+        self.remote_functions: dict[str, Callable[..., Any]] = {}
+        # The strategy in whose scope the accumulator was created, if any.
+        self.strategy: tf.distribute.Strategy | None = (
+            tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        )
 
 
 class GradientAccumulator(tf.Module):
@@ -218,6 +232,21 @@ class GradientAccumulator(tf.Module):
       counts once; the state is one non-distributed copy, so ``take`` returns the
       cross-replica reduction.
 
+    Strategies:
+      ``MirroredStrategy``: one copy of the state on the first variable's device; the
+      replicas' contributions are committed in one ``merge_call``, in replica order.
+      ``MultiWorkerMirroredStrategy``: each worker keeps its own copy; inside
+      ``strategy.run`` every replica's contribution (with its value checks and
+      version) is all-gathered first, so every worker commits the same contributions
+      in the same order and takes the same bits; a refused contribution fails every
+      worker's step alike. ``ParameterServerStrategy``: create the accumulator in
+      ``strategy.scope()`` on the coordinator (or for variables on a parameter server):
+      its state and critical section live on the first variable's parameter server,
+      so ``add`` in functions scheduled on any worker counts once, and eager calls on
+      the coordinator run the same critical section as a ``tf.function``. Any other
+      strategy, or a PS setup whose workers cannot reach the state, raises
+      :class:`~safevars.UnsupportedStrategyError`.
+
     State (the buffered contributions or running sum, and the counters) is
     checkpointable: ``tf.train.Checkpoint(accumulator=acc)`` saves it, and resuming
     after a restore gives the same result as not stopping.
@@ -236,6 +265,8 @@ class GradientAccumulator(tf.Module):
         name: str = "gradient_accumulator",
     ) -> None:
         super().__init__(name=name)
+        if tf.distribute.has_strategy():
+            check_strategy()
         _check_choice("reduction", reduction, _REDUCTIONS)
         _check_choice("on_stale", on_stale, _STALE_POLICIES)
         _check_choice("nonfinite", nonfinite, _NONFINITE_POLICIES)
@@ -276,16 +307,20 @@ class GradientAccumulator(tf.Module):
         else:
             self._sum_dtype = tf.float32
 
-        device = getattr(leaves[0], "device", "") or ""
+        device = _state_device(leaves[0])
         prefix = name
         with tf.init_scope(), tf.device(device):
             # Direct ResourceVariable construction bypasses distribution strategies'
             # variable creators: the state is one copy even under strategy.scope().
             if deterministic:
                 rows = max(num_required or 0, _MIN_ROWS)
+                # Declared with an unknown rank, not [None, elements]: TensorFlow 2.21
+                # aborts a worker that receives a handle to a remote variable whose
+                # shape has an unknown dimension (RemoteMgr builds a TensorShape from
+                # it), which is how ParameterServerStrategy workers reach the state.
                 self._state = resource_variable_ops.ResourceVariable(
                     tf.zeros([rows, self._size], tf.float32), trainable=False,
-                    name=f"{prefix}_rows", shape=tf.TensorShape([None, self._size]),
+                    name=f"{prefix}_rows", shape=tf.TensorShape(None),
                 )
             else:
                 self._state = resource_variable_ops.ResourceVariable(
@@ -297,6 +332,9 @@ class GradientAccumulator(tf.Module):
                 name=f"{prefix}_counters",
             )
             self._guard = Guard(self._state)
+        # State on a parameter server: eager calls (on the coordinator) run as
+        # tf.functions, whose critical section runs there (see _run_remote).
+        self._remote = _on_parameter_server(self._state)
         self._arrived = threading.Condition()
         self._arrivals = 0
         helpers = self._helpers
@@ -370,6 +408,9 @@ class GradientAccumulator(tf.Module):
         read inside the critical section.
         """
         if tf.executing_eagerly():
+            if self._remote:
+                values = self._run_remote("statistics", self.statistics)
+                return AccumulatorStatistics(*(int(v) for v in values))
             with hold([self._guard]):
                 values = self._counters.numpy().tolist()
             return AccumulatorStatistics(*values)
@@ -383,6 +424,54 @@ class GradientAccumulator(tf.Module):
             f"<safevars.GradientAccumulator {self.name!r} variables={len(self._slots)} "
             f"elements={self._size} reduction={self._reduction} {kind} pending={pending}>"
         )
+
+    def _strategy(self) -> tf.distribute.Strategy | None:
+        """The current strategy (None outside any), checked for this accumulator.
+
+        Raises:
+          UnsupportedStrategyError: the strategy is not supported, or it is a
+            ``ParameterServerStrategy`` and the state is not on a parameter server.
+        """
+        if not tf.distribute.has_strategy():
+            return None
+        strategy = check_strategy()
+        if _is_parameter_server(strategy) and not _on_parameter_server(self._state):
+            raise UnsupportedStrategyError(
+                f"GradientAccumulator {self.name!r} keeps its state on "
+                f"{self._state.device or 'this process'}, which ParameterServerStrategy "
+                "workers cannot reach. Create it in strategy.scope() on the coordinator "
+                "(or for variables that live on a parameter server): its state then "
+                "lives on a parameter server, where every worker adds to it under one "
+                f"lock. Supported: {', '.join(SUPPORTED_STRATEGIES)}."
+            )
+        return strategy
+
+    def _run_remote(self, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``fn(*args)`` as a ``tf.function``: how eager calls reach state on a PS.
+
+        The coordinator cannot take a parameter server's mutex eagerly (a ``MutexLock``
+        sent from the coordinator while scheduled steps take the same mutex was seen to
+        hang; :class:`~safevars.locking.Guard` refuses it), so it runs the graph path,
+        whose critical section executes on the parameter server like the workers'. The
+        run-time checks of that path come back as the safevars errors they name.
+        """
+        functions = self._helpers.remote_functions
+        function = functions.get(key)
+        if function is None:
+            function = functions.setdefault(
+                key, tf.function(fn, autograph=False, reduce_retracing=True)
+            )
+        try:
+            return function(*args)
+        except tf.errors.InvalidArgumentError as e:
+            for marker, error in _RUNTIME_ERRORS:
+                if marker in e.message:
+                    text = e.message[e.message.index(marker) + len(marker):]
+                    raise error(
+                        f"{text.split(chr(10))[0].strip(' :')} (checked on the "
+                        f"parameter server; nothing of the call took effect)."
+                    ) from None
+            raise
 
     # ------------------------------------------------------------------ add
 
@@ -424,20 +513,122 @@ class GradientAccumulator(tf.Module):
         and inside ``strategy.run`` (one ``merge_call``: the replicas' contributions are
         committed together, in replica order).
         """
+        strategy = self._strategy()
         replica = _replica_context()
         if replica is not None:
+            if _spans_workers(strategy):
+                return self._add_across_workers(replica, gradients, version)
             part = self._prepare(gradients, version)
             return replica.merge_call(self._merge_add, args=(tuple(part),))
+        owner = strategy if strategy is not None else self._helpers.strategy
+        if _spans_workers(owner) and _holds_distributed(gradients, version):
+            # This worker holds only its own replicas' values: add them in replica
+            # context, where every worker's are gathered.
+            with owner.scope():
+                counts = owner.run(
+                    lambda g, v: self.add(g, version=v), args=(gradients, version)
+                )
+            return owner.experimental_local_results(counts)[0]
         return self._commit([self._prepare(g, version) for g in _per_replica(gradients)])
 
     def _merge_add(self, strategy: tf.distribute.Strategy, part: tuple) -> Any:
-        replicas = strategy.num_replicas_in_sync
+        replicas = strategy.num_replicas_in_sync  # all local: no replica on other workers
         fields = [_local_values(x, replicas) for x in part]
         parts = [_Part(*(f[r] for f in fields)) for r in range(replicas)]
         return self._commit(parts)
 
+    def _add_across_workers(
+        self, ctx: tf.distribute.ReplicaContext, gradients: Any, version: Any
+    ) -> Any:
+        """``add`` in a replica of a strategy whose replicas span processes.
+
+        Every replica's contribution, with its value-dependent flags (finite, sparse
+        indices in range) and versions, is all-gathered first, so every worker checks
+        and commits the same contributions in the same (replica) order: the workers'
+        states stay equal, each contribution counts once in each, and a refused
+        contribution fails every worker's step alike (none is left waiting in a
+        collective).
+        """
+        entries, part, in_range = self._compute(gradients, version)
+        replicas = ctx.num_replicas_in_sync
+        sparse = 0 if in_range is None else int(in_range.shape[0])
+        by_element = part.elements is not None
+        if part.version_kind == "each":
+            versions = tuple(part.version)
+        elif part.version_kind == "int":
+            versions = (part.version,)
+        else:
+            versions = ()
+        finite = True if part.finite is None else part.finite
+        ints = [tf.reshape(tf.cast(finite, tf.int64), [1])]
+        if in_range is not None:
+            ints.append(tf.cast(in_range, tf.int64))
+        if by_element:
+            ints.append(tf.reshape(tf.size(part.values, out_type=tf.int64), [1]))
+        ints.extend(tf.reshape(tf.cast(v, tf.int64), [1]) for v in versions)
+        local = [tf.concat(ints, 0)[None], part.values if by_element else part.values[None]]
+        if by_element:
+            local.append(part.elements)
+        gathered = ctx.all_gather(local, axis=0)
+
+        def merge(strategy: tf.distribute.Strategy, gathered: Any) -> Any:
+            # Every local replica holds the same gathered tensors: use the first's.
+            small, values, *rest = [strategy.experimental_local_results(x)[0] for x in gathered]
+            elements = rest[0] if rest else None
+            in_range = tf.cast(small[:, 1:1 + sparse], tf.bool) if sparse else None
+            elements, values, finite = self._check(
+                entries, elements, values, tf.cast(small[:, 0], tf.bool), in_range
+            )
+            column = 1 + sparse
+            if by_element:
+                lengths = small[:, column]
+                value_parts = tf.split(values, lengths, num=replicas)
+                element_parts = tf.split(elements, lengths, num=replicas)
+                column += 1
+            else:
+                value_parts = tf.unstack(values, num=replicas)
+                element_parts = [None] * replicas
+            eager = tf.executing_eagerly()
+            table = small.numpy() if eager else small
+            finite_flags = finite if finite is True else (
+                [bool(f) for f in np.asarray(finite).tolist()] if eager
+                else tf.unstack(finite, num=replicas)
+            )
+            parts = []
+            for r in range(replicas):
+                row = [table[r, column + i] for i in range(len(versions))]
+                if eager:
+                    row = [int(x) for x in row]
+                if part.version_kind == "each":
+                    version_r: Any = tuple(row)
+                elif part.version_kind == "int":
+                    version_r = row[0]
+                else:
+                    version_r = None
+                parts.append(_Part(
+                    element_parts[r], value_parts[r],
+                    True if finite_flags is True else finite_flags[r],
+                    part.version_kind, version_r,
+                ))
+            return self._commit(parts)
+
+        return ctx.merge_call(merge, args=(tuple(gathered),))
+
     def _prepare(self, gradients: Any, version: Any) -> _Part:
         """Validates one contribution and computes its tensors (outside the lock)."""
+        entries, part, in_range = self._compute(gradients, version)
+        elements, values, finite = self._check(
+            entries, part.elements, part.values, part.finite, in_range
+        )
+        return part._replace(elements=elements, values=values, finite=finite)
+
+    def _compute(self, gradients: Any, version: Any) -> tuple[tuple, _Part, Any]:
+        """Static checks and the tensors of one contribution, before the value checks.
+
+        Returns:
+          ``(entries, part, in_range)``: ``part.finite`` is None (not checked) or a bool
+          tensor; ``in_range`` is None or a bool vector, one per sparse gradient.
+        """
         try:
             leaves = nest.flatten_up_to(self._helpers.structure, gradients, check_types=False)
         except (TypeError, ValueError) as e:
@@ -448,12 +639,27 @@ class GradientAccumulator(tf.Module):
             ) from None
         entries = tuple(self._entry(slot, g) for slot, g in zip(self._slots, leaves))
         version_kind, version_value = self._normalize_version(version)
-        eager = tf.executing_eagerly()
-        math = self._helpers.prepare if eager else self._prepare_math
+        math = self._helpers.prepare if tf.executing_eagerly() else self._prepare_math
         elements, values, finite, in_range = math(entries)
+        return entries, _Part(elements, values, finite, version_kind, version_value), in_range
+
+    def _check(
+        self, entries: tuple, elements: Any, values: Any, finite: Any, in_range: Any
+    ) -> tuple[Any, Any, Any]:
+        """The value checks of ``add``: eagerly raise, in a graph assert before the commit.
+
+        ``finite`` and ``in_range`` hold one contribution's flags, or several
+        contributions' along a leading axis (gathered from every worker).
+
+        Returns:
+          ``(elements, values, finite)``: the tensors made to depend on the checks, and
+          ``finite`` as True (nothing to skip), or the flags to skip by.
+        """
+        eager = tf.executing_eagerly()
         if in_range is not None:
             if eager:
-                bad = [i for i, ok in enumerate(in_range.numpy().tolist()) if not ok]
+                flags = np.asarray(in_range).reshape(-1, in_range.shape[-1]).all(axis=0)
+                bad = [i for i, ok in enumerate(flags.tolist()) if not ok]
                 if bad:
                     slot = self._slots[_sparse_slot(entries, bad[0])]
                     raise InvalidArgumentError(
@@ -468,22 +674,26 @@ class GradientAccumulator(tf.Module):
                 )
                 elements, values = _after(check, (elements, values))
         if self._nonfinite == "propagate":
-            finite = True
-        elif eager:
-            finite = bool(finite)
-            if not finite and self._nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    "a gradient holds NaN or Inf (nonfinite='raise'); nothing was "
-                    "accumulated. Pass nonfinite='skip' to drop such contributions."
-                )
-        elif self._nonfinite == "raise":
+            return elements, values, True
+        if eager:
+            flags = np.asarray(finite)
+            if self._nonfinite == "raise":
+                if not flags.all():
+                    raise NonFiniteGradientError(
+                        "a gradient holds NaN or Inf (nonfinite='raise'); nothing was "
+                        "accumulated. Pass nonfinite='skip' to drop such contributions."
+                    )
+                return elements, values, True
+            return elements, values, bool(flags) if flags.ndim == 0 else flags
+        if self._nonfinite == "raise":
             check = tf.debugging.Assert(
-                finite, ["safevars NonFiniteGradientError: a gradient holds NaN or Inf "
-                         "(nonfinite='raise'); nothing was accumulated."],
+                tf.reduce_all(finite),
+                ["safevars NonFiniteGradientError: a gradient holds NaN or Inf "
+                 "(nonfinite='raise'); nothing was accumulated."],
             )
             elements, values = _after(check, (elements, values))
-            finite = True
-        return _Part(elements, values, finite, version_kind, version_value)
+            return elements, values, True
+        return elements, values, finite
 
     def _entry(self, slot: _Slot, gradient: Any) -> tuple | None:
         """A validated (kind, tensors...) tuple for one gradient, or None."""
@@ -641,8 +851,13 @@ class GradientAccumulator(tf.Module):
         """Decides and commits contributions in one critical section."""
         if not tf.executing_eagerly():
             return graph_section([self._guard], lambda: self._commit_body(parts))
-        with hold([self._guard]):
-            accepted = self._commit_body(parts)
+        if self._remote:
+            accepted = int(self._run_remote(
+                "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
+            ))
+        else:
+            with hold([self._guard]):
+                accepted = self._commit_body(parts)
         if accepted:
             with self._arrived:
                 self._arrivals += 1
@@ -834,12 +1049,27 @@ class GradientAccumulator(tf.Module):
         ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
         returns the same result to every replica.
         """
+        self._strategy()
         replica = _replica_context()
         if replica is not None:
             return replica.merge_call(lambda _: self.take(timeout))
         if tf.executing_eagerly():
             return self._take_eager(timeout)
         return self._take_graph(conditional=False)[1]
+
+    def _take_now(self, required: int) -> Any | None:
+        """Eager: takes if ``required`` are pending (and at least one, if required > 0);
+        returns the reduced gradients, or None if it took nothing."""
+        if self._remote:
+            if not required:
+                return self._run_remote("take", lambda: self._take_graph(False)[1])
+            ready, grads = self._run_remote(
+                f"take_if_ready_{required}", lambda: self._take_graph(True, required)
+            )
+            return grads if bool(ready) else None
+        with hold([self._guard]):
+            taken = self._take_locked(required)
+        return None if taken is None else self._finish(*taken)
 
     def take_if_ready(self) -> tuple[bool | tf.Tensor, Any]:
         """Takes only if at least ``num_required`` (or 1) contributions are pending.
@@ -854,16 +1084,14 @@ class GradientAccumulator(tf.Module):
 
         Modes: eager and ``tf.function``; inside ``strategy.run`` as :meth:`take`.
         """
+        self._strategy()
         replica = _replica_context()
         if replica is not None:
             return replica.merge_call(lambda _: self.take_if_ready())
         if not tf.executing_eagerly():
             return self._take_graph(conditional=True)
-        with hold([self._guard]):
-            taken = self._take_locked(self._num_required or 1)
-        if taken is None:
-            return False, None
-        return True, self._finish(*taken)
+        grads = self._take_now(self._num_required or 1)
+        return (False, None) if grads is None else (True, grads)
 
     def _take_eager(self, timeout: float | None) -> Any:
         required = self._num_required or 0
@@ -871,10 +1099,9 @@ class GradientAccumulator(tf.Module):
         while True:
             with self._arrived:
                 generation = self._arrivals
-            with hold([self._guard]):
-                taken = self._take_locked(required)
-            if taken is not None:
-                return self._finish(*taken)
+            grads = self._take_now(required)
+            if grads is not None:
+                return grads
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise AccumulatorTimeoutError(
@@ -930,8 +1157,11 @@ class GradientAccumulator(tf.Module):
             self._state.handle, tf.range(rows), dtype=self._state.dtype
         )
 
-    def _take_graph(self, conditional: bool) -> tuple[tf.Tensor, Any]:
-        required = self._num_required or (1 if conditional else 0)
+    def _take_graph(
+        self, conditional: bool, required: int | None = None
+    ) -> tuple[tf.Tensor, Any]:
+        if required is None:
+            required = self._num_required or (1 if conditional else 0)
 
         def body() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
             pending = self._counters[_PENDING]
@@ -1017,6 +1247,7 @@ class GradientAccumulator(tf.Module):
         Modes: eager, ``tf.function`` (in the critical section) and ``strategy.run``
         (once for all replicas).
         """
+        self._strategy()
         replica = _replica_context()
         if replica is not None:
             return replica.merge_call(lambda _: self.reset())
@@ -1034,6 +1265,9 @@ class GradientAccumulator(tf.Module):
             return pending
 
         if tf.executing_eagerly():
+            if self._remote:
+                self._run_remote("reset", self.reset)
+                return None
             with hold([self._guard]):
                 body()
             return None
@@ -1122,6 +1356,63 @@ def _replica_context() -> tf.distribute.ReplicaContext | None:
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     return tf.distribute.get_replica_context()
+
+
+def _as_tensors(parts: list[_Part]) -> list[tuple]:
+    """Eager parts as tensors, to pass to a ``tf.function`` (Python values would make
+    it retrace for every new version number)."""
+    out = []
+    for part in parts:
+        finite = part.finite if isinstance(part.finite, tf.Tensor) else tf.constant(
+            bool(part.finite)
+        )
+        version = part.version
+        if part.version_kind == "int":
+            version = tf.constant(version, tf.int64)
+        elif part.version_kind == "each":
+            version = tuple(tf.constant(v, tf.int64) for v in version)
+        out.append((part.elements, part.values, finite, part.version_kind, version))
+    return out
+
+
+def _is_parameter_server(strategy: tf.distribute.Strategy | None) -> bool:
+    return strategy is not None and any(
+        cls.__name__ == "ParameterServerStrategyV2" for cls in type(strategy).__mro__
+    )
+
+
+def _on_parameter_server(variable: Any) -> bool:
+    return tf.DeviceSpec.from_string(getattr(variable, "device", "") or "").job == "ps"
+
+
+def _state_device(first: Any) -> str:
+    """Where the state lives: with the first variable, or on a parameter server.
+
+    Under ``ParameterServerStrategy`` (created in its scope, or for variables on a
+    parameter server) the state must be where every worker reaches it: the first
+    variable's parameter server, else ``/job:ps/task:0``.
+    """
+    device = getattr(first, "device", "") or ""
+    if _on_parameter_server(first):
+        return device
+    if tf.distribute.has_strategy() and _is_parameter_server(tf.distribute.get_strategy()):
+        return "/job:ps/replica:0/task:0/device:CPU:0"
+    return device
+
+
+def _spans_workers(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether some of ``strategy``'s replicas run in other processes (multi-worker)."""
+    if strategy is None:
+        return False
+    return strategy.num_replicas_in_sync > len(strategy.extended.worker_devices)
+
+
+def _holds_distributed(*structures: Any) -> bool:
+    return any(
+        isinstance(x, tf.distribute.DistributedValues)
+        for structure in structures
+        for x in tf.nest.flatten(structure)
+    )
 
 
 def _per_replica(gradients: Any) -> list[Any]:
