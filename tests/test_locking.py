@@ -226,3 +226,22 @@ def test_nested_graph_update_of_same_variable_is_reentrant_in_transaction():
         return safevars.transaction([v], lambda: v.update(lambda x: x * 3.0))
 
     assert float(f()) == 3.0 and v.version == 1
+
+
+def test_a_section_runs_on_the_parameter_server_holding_all_its_variables():
+    from types import SimpleNamespace
+
+    from safevars.locking import _section_device
+
+    def guards(*devices):
+        return [SimpleNamespace(device=d) for d in devices]
+
+    ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
+    ps1 = "/job:ps/replica:0/task:1/device:CPU:0"
+    assert _section_device(guards(ps0, ps0)) == ps0
+    assert _section_device(guards(ps1)) == ps1
+    # Several tasks, a worker, or no device at all: TensorFlow places the ops.
+    assert _section_device(guards(ps0, ps1)) is None
+    assert _section_device(guards("/job:worker/replica:0/task:0/device:CPU:0")) is None
+    assert _section_device(guards("/job:localhost/replica:0/task:0/device:CPU:0")) is None
+    assert _section_device(guards("")) is None
