@@ -11,11 +11,6 @@ MirroredStrategy is covered in test_accumulator.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import portpicker
@@ -26,68 +21,28 @@ from distributed.accumulator_ps import counted_contributions, hard_contributions
 from safevars.accumulator import GradientAccumulator
 from safevars.distribute import SUPPORTED_STRATEGIES
 from safevars.errors import UnsupportedStrategyError
+from cluster_harness import run_together, script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 11
 PS_WORKERS, PS_TASKS, PS_COUNT, PS_ROUNDS = 3, 2, 48, 40
 MWMS_WORKERS, MWMS_STEPS = 2, 3
 CLUSTER_TIMEOUT = 90.0  # Seconds for both clusters (all their processes) to finish.
 
 
-# --------------------------------------------------------------------- subprocesses
-
-
-def last_json_line(text: str) -> dict:
-    lines = [line for line in text.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON result in output:\n{text[-3000:]}"
-    return json.loads(lines[-1])
-
-
-def run_together(commands: list[list[str]], timeout: float = CLUSTER_TIMEOUT) -> list[dict]:
-    """Starts every command at once; returns their JSON results in order.
-
-    Fails if any process exits non-zero or the group is not done within ``timeout``
-    seconds; every process still running then is killed (a worker whose peer died
-    waits forever on its collectives). A process still running 10 s before the deadline
-    prints its threads' stacks and exits (``--dump-after``), so a hang shows where.
-    """
-    commands = [c + ["--dump-after", str(max(1.0, timeout - 10.0))] for c in commands]
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    procs = [
-        subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-        for command in commands
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for command, proc in zip(commands, procs):
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, f"{command[0]} failed:\n{err[-5000:]}"
-            results.append(last_json_line(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
-
-
 @pytest.fixture(scope="module")
 def clusters() -> dict:
     """One ParameterServerStrategy cluster and one 2-process MultiWorkerMirroredStrategy
     cluster, run at the same time."""
-    ps = [os.path.join(HERE, "distributed", "accumulator_ps.py"), "--seed", str(SEED),
+    ps = [script("accumulator_ps.py"), "--seed", str(SEED),
           "--workers", str(PS_WORKERS), "--ps", str(PS_TASKS), "--count", str(PS_COUNT),
           "--rounds", str(PS_ROUNDS)]
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
     mwms = [
-        [os.path.join(HERE, "distributed", "accumulator_mwms.py"), str(i), ports,
+        [script("accumulator_mwms.py"), str(i), ports,
          "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
         for i in range(MWMS_WORKERS)
     ]
-    results = run_together([ps] + mwms)
+    results = run_together([ps] + mwms, CLUSTER_TIMEOUT, dump_after=True)
     return {"ps": results[0], "mwms": results[1:]}
 
 

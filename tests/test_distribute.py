@@ -7,27 +7,16 @@ MirroredStrategy runs in-process over two logical CPUs. ParameterServerStrategy 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
 
 import safevars
+from cluster_harness import run_together, script
 from threading_harness import run_threads
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SUBPROCESS_TIMEOUT = 300
-
-
-def last_json_line(text: str) -> dict:
-    lines = [line for line in text.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON result in output:\n{text[-3000:]}"
-    return json.loads(lines[-1])
+SUBPROCESS_TIMEOUT = 300  # Seconds for one cluster (all its processes) to finish.
 
 
 class TestMirrored:
@@ -129,13 +118,9 @@ def test_unsupported_strategy_is_named():
 
 
 def test_parameter_server_cluster_loses_nothing():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "distributed", "ps_cluster.py"),
-         "--workers", "3", "--steps", "150"],
-        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+    (result,) = run_together(
+        [[script("ps_cluster.py"), "--workers", "3", "--steps", "150"]], SUBPROCESS_TIMEOUT
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = last_json_line(proc.stdout)
     assert result["safe"] == 150.0 and result["safe_version"] == 150
     assert result["eager_write"] == "refused"
     assert result["a"] + result["b"] == 100.0 and result["b"] == 50.0
@@ -148,22 +133,10 @@ def test_parameter_server_cluster_loses_nothing():
 
 def test_multi_worker_mirrored_two_processes():
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(2))
-    script = os.path.join(HERE, "distributed", "mwms_worker.py")
-    procs = [
-        subprocess.Popen([sys.executable, script, str(i), ports, "--steps", "10"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
-            assert proc.returncode == 0, err[-3000:]
-            results.append(last_json_line(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    results = run_together(
+        [[script("mwms_worker.py"), str(i), ports, "--steps", "10"] for i in range(2)],
+        SUBPROCESS_TIMEOUT,
+    )
     for result in results:
         assert result["replicas"] == 2
         assert result["counter"] == 20.0 and result["counter_version"] == 20

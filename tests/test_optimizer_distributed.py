@@ -9,11 +9,6 @@ one JSON line that the tests below check. MirroredStrategy is covered in-process
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 
 import keras
 import numpy as np
@@ -25,70 +20,32 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.optimizer import SafeOptimizer
 from safevars.variable import wrap
+from cluster_harness import run_together, script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PS_WORKERS, PS_STEPS, PS_TRAIN_STEPS, PS_ACCUMULATE_CALLS = 3, 60, 90, 24
 MWMS_WORKERS, MWMS_STEPS = 2, 8
 CLUSTER_TIMEOUT = 120.0  # Seconds for one cluster (all its processes) to finish.
 
 
-# --------------------------------------------------------------------- subprocesses
-
-
-def last_json_line(text: str) -> dict:
-    lines = [line for line in text.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON result in output:\n{text[-3000:]}"
-    return json.loads(lines[-1])
-
-
-def run_together(commands: list[list[str]], timeout: float = CLUSTER_TIMEOUT) -> list[dict]:
-    """Starts every command at once; returns their JSON results in order.
-
-    Fails if any process exits non-zero or the group is not done within ``timeout``
-    seconds; every process still running then is killed (a worker whose peer died
-    waits forever on its collectives).
-    """
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    procs = [
-        subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-        for command in commands
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, err[-3000:]
-            results.append(last_json_line(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
-
-
 @pytest.fixture(scope="module")
 def ps() -> dict:
     """One run of a 3-worker, 1-PS in-process cluster (see distributed/optimizer_ps.py)."""
-    script = os.path.join(HERE, "distributed", "optimizer_ps.py")
+    path = script("optimizer_ps.py")
     (result,) = run_together([[
-        script, "--workers", str(PS_WORKERS), "--steps", str(PS_STEPS),
+        path, "--workers", str(PS_WORKERS), "--steps", str(PS_STEPS),
         "--train-steps", str(PS_TRAIN_STEPS), "--accumulate-calls", str(PS_ACCUMULATE_CALLS),
-    ]])
+    ]], CLUSTER_TIMEOUT)
     return result
 
 
 @pytest.fixture(scope="module")
 def mwms() -> list[dict]:
     """One run of a 2-process MultiWorkerMirroredStrategy cluster: each worker's result."""
-    script = os.path.join(HERE, "distributed", "optimizer_mwms.py")
+    path = script("optimizer_mwms.py")
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
     return run_together([
-        [script, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)
-    ])
+        [path, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)
+    ], CLUSTER_TIMEOUT)
 
 
 # --------------------------------------------------------------------- parameter servers

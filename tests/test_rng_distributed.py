@@ -10,11 +10,6 @@ documented key with an eager ``ReplicaRNG`` and compares bitwise.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import portpicker
@@ -23,73 +18,35 @@ import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.rng import ReplicaRNG
+from cluster_harness import run_together, script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEED, OTHER_SEED = 2024, 7
 PS_WORKERS, PS_STEPS, PS_TASKS = 3, 24, (1, 2)
 MWMS_WORKERS, MWMS_STEPS = 2, 3
 CLUSTER_TIMEOUT = 60.0  # Seconds for one cluster (all its processes) to finish.
 
 
-# --------------------------------------------------------------------- subprocesses
-
-
-def last_json_line(text: str) -> dict:
-    lines = [line for line in text.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON result in output:\n{text[-3000:]}"
-    return json.loads(lines[-1])
-
-
-def run_together(commands: list[list[str]], timeout: float = CLUSTER_TIMEOUT) -> list[dict]:
-    """Starts every command at once; returns their JSON results in order.
-
-    Fails if any process exits non-zero or the group is not done within ``timeout``
-    seconds; every process still running then is killed (a worker whose peer died
-    waits forever on its collectives).
-    """
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    procs = [
-        subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-        for command in commands
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, err[-3000:]
-            results.append(last_json_line(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
-
-
 @pytest.fixture(scope="module")
 def ps_runs() -> list[dict]:
     """Two runs with the same seeds, two clusters at once: 3 workers with 1 PS, then
     with 2 PS (the streams must not depend on where they are placed)."""
-    script = os.path.join(HERE, "distributed", "rng_ps.py")
-    command = [script, "--seed", str(SEED), "--other-seed", str(OTHER_SEED),
+    path = script("rng_ps.py")
+    command = [path, "--seed", str(SEED), "--other-seed", str(OTHER_SEED),
                "--workers", str(PS_WORKERS), "--steps", str(PS_STEPS)]
-    return run_together([command + ["--ps", str(ps)] for ps in PS_TASKS])
+    return run_together([command + ["--ps", str(ps)] for ps in PS_TASKS], CLUSTER_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def mwms_runs() -> list[list[dict]]:
     """Two runs of a 2-process MultiWorkerMirroredStrategy cluster with the same seed."""
-    script = os.path.join(HERE, "distributed", "rng_mwms.py")
+    path = script("rng_mwms.py")
     runs = []
     for _ in range(2):
         ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
         runs.append(run_together([
-            [script, str(i), ports, "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
+            [path, str(i), ports, "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
             for i in range(MWMS_WORKERS)
-        ]))
+        ], CLUSTER_TIMEOUT))
     return runs
 
 

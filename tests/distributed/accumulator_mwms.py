@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
+
+from loopback import set_tf_config  # same directory
 
 
 def main() -> None:
@@ -26,12 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.dump_after > 0:  # A hang shows where it hangs instead of only timing out.
         faulthandler.dump_traceback_later(args.dump_after, exit=True)
-    workers = [f"127.0.0.1:{p}" for p in args.ports.split(",")]
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": args.index}}
-    )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
+    set_tf_config(args.index, args.ports)
     import tensorflow as tf
     from accumulator_ps import hard_contributions, hexes  # same directory
     from tensorflow.python.distribute import values as ds_values

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from loopback import set_tf_config  # same directory
 
 
 def main() -> None:
@@ -17,11 +18,7 @@ def main() -> None:
     parser.add_argument("ports")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    workers = [f"127.0.0.1:{p}" for p in args.ports.split(",")]
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": args.index}}
-    )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    set_tf_config(args.index, args.ports)
     import tensorflow as tf
 
     import safevars

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from loopback import set_tf_config  # same directory
 
 SHARD = 32
 FEATURES = 8
@@ -30,12 +31,7 @@ def main() -> None:
     parser.add_argument("ports")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    ports = args.ports.split(",")
-    workers = [f"127.0.0.1:{p}" for p in ports]
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": args.index}}
-    )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    set_tf_config(args.index, args.ports)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -44,7 +40,7 @@ def main() -> None:
     from safevars.variable import wrap
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    count = len(workers)
+    count = len(args.ports.split(","))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SHARD * count, FEATURES)).astype("float32")
     y = (x @ rng.normal(size=(FEATURES, 1)) + 0.5).astype("float32")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from loopback import set_tf_config  # same directory
 
 
 def main() -> None:
@@ -21,11 +22,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    workers = [f"127.0.0.1:{p}" for p in args.ports.split(",")]
-    os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": args.index}}
-    )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    set_tf_config(args.index, args.ports)
     import numpy as np
     import tensorflow as tf
 
