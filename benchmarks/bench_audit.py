@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, size_label
 from safevars.audit import audit
 
 FAMILY = "audit"
@@ -34,15 +34,6 @@ ORDER = 8
 
 OPS = ("read", "assign", "read_modify_write")
 OPS_PER_CALL = 100
-
-
-def size_label(size: int) -> str:
-    if size == 1:
-        return "scalar"
-    for suffix, scale in (("M", 1_000_000), ("K", 1_000)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale}{suffix}"
-    return str(size)
 
 
 def _work(op: str, v: tf.Variable, value: tf.Tensor, n: int) -> Callable[[], Any]:

@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 import safevars
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, size_label
 
 FAMILY = "eager"
 DESCRIPTION = (
@@ -38,16 +38,6 @@ ORDER = 1
 
 OPS = ("read", "assign", "assign_add", "update")
 GOAL_RATIO = 1.10
-
-
-def size_label(size: int) -> str:
-    """``scalar``, ``1K``, ``1M``, ``16M``..."""
-    if size == 1:
-        return "scalar"
-    for suffix, scale in (("M", 1_000_000), ("K", 1_000)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale}{suffix}"
-    return str(size)
 
 
 def shape_of(size: int) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 import safevars
-from benchmarks.bench_eager import OPS, shape_of, size_label
-from benchmarks.case import Case, Context
+from benchmarks.bench_eager import OPS, shape_of
+from benchmarks.case import Case, Context, size_label
 
 FAMILY = "graph"
 DESCRIPTION = (

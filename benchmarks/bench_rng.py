@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, size_label
 from safevars.rng import ReplicaRNG
 
 FAMILY = "rng"
@@ -47,16 +47,6 @@ def sizes(ctx: Context) -> tuple[int, ...]:
     if ctx.quick and len(ctx.sizes) > 2:
         return (min(ctx.sizes), max(ctx.sizes))
     return tuple(ctx.sizes)
-
-
-def size_label(size: int) -> str:
-    """``scalar``, ``1K``, ``1M``, ``16M``..."""
-    if size == 1:
-        return "scalar"
-    for suffix, scale in (("M", 1_000_000), ("K", 1_000)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale}{suffix}"
-    return str(size)
 
 
 def _variants(size: int, shape: list[int], ctx: Context, mode: str) -> dict[str, Callable[[], Any]]:

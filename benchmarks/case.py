@@ -81,3 +81,13 @@ class Case:
     goal: tuple[str, float] | None = None
     teardown: Callable[[], Any] | None = None
     goal_reference: str | None = None
+
+
+def size_label(size: int) -> str:
+    """``scalar``, ``1K``, ``1M``, ``16M``..."""
+    if size == 1:
+        return "scalar"
+    for suffix, scale in (("M", 1_000_000), ("K", 1_000)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    return str(size)

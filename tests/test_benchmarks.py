@@ -33,7 +33,7 @@ from benchmarks import (  # noqa: E402
     runner,
     schema,
 )
-from benchmarks.case import Case  # noqa: E402
+from benchmarks.case import Case, size_label  # noqa: E402
 from benchmarks.timing import TimingSettings, measure  # noqa: E402
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
@@ -216,7 +216,7 @@ def test_gpu_context_includes_gpu_only_large_sizes():
     assert ("update", 16_000_000) in bench_eager.plan(gpu_ctx)
     assert all(size <= 1_000_000 for _, size in bench_eager.plan(cpu_ctx))
     assert 16_000_000 in bench_graph.sizes(gpu_ctx)
-    assert bench_eager.size_label(16_000_000) == "16M"
+    assert size_label(16_000_000) == "16M"
 
 
 def test_device_sync_only_on_gpu():
