@@ -73,8 +73,8 @@ instead:
 
 * Accesses made while a function is being *traced* are not run-time accesses (they
   happen once, when the graph is built); they are recorded, in program order, as the
-  function's access list, with the ``tf.CriticalSection`` s they were traced in (which
-  include SafeVariable's run-time locks) and the user lines they come from (AutoGraph's
+  function's access list, with the ``tf.CriticalSection`` s and safevars graph sections
+  they were traced in (SafeVariable's run-time locks) and the user lines they come from (AutoGraph's
   generated code is mapped back to the source).
 * Each eager call of a concrete function traced while an audit was active replays that
   list as accesses of the calling thread, spanning the call, with its sections counted
@@ -725,14 +725,6 @@ def _deliver(accesses: list[_Access]) -> None:
 # ---------------------------------------------------------------------- recording
 
 
-def _lock_key_of(section: critical_section_ops.CriticalSection) -> int:
-    """A SafeVariable's run-time critical section counts as its guard's lock."""
-    for guard in list(variable_module._GUARDS.values()):
-        if guard.cs is section:
-            return id(guard)
-    return id(section)
-
-
 def _eager_protection(state: _ThreadState) -> tuple[frozenset[Any], frozenset[Any]]:
     """(locks, section instances) protecting an eager access of the calling thread."""
     held = locking._held()
@@ -851,7 +843,7 @@ def _execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, fn, *args, **kwargs)
         state = session.state()
         graph = None if context.executing_eagerly() else ops.get_default_graph()
-        entry = (_lock_key_of(self), next(_SECTION_IDS), graph)
+        entry = (id(self), next(_SECTION_IDS), graph)
         state.sections.append(entry)
         try:
             return original(self, fn, *args, **kwargs)
@@ -859,6 +851,33 @@ def _execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             state.sections.remove(entry)
 
     return audited_execute
+
+
+def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``locking._traced_section``: the graph sections of safevars guards."""
+
+    @functools.wraps(original)
+    def audited_section(ordered: list[Any], fn: Any, after: Any) -> Any:
+        session = _SESSION
+        if session is None:
+            return original(ordered, fn, after)
+        state = session.state()
+        graph = ops.get_default_graph()
+        # Guards an enclosing section already holds keep that section's instance: a
+        # read there and a write here are one continuous hold.
+        entries = [
+            (id(g), next(_SECTION_IDS), graph)
+            for g in ordered
+            if locking.held_in_graph(g) is None
+        ]
+        state.sections.extend(entries)
+        try:
+            return original(ordered, fn, after)
+        finally:
+            for entry in entries:
+                state.sections.remove(entry)
+
+    return audited_section
 
 
 def _call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1019,6 +1038,7 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
                 targets.append((cls, method, _writer(method)))
     for owner, name, factory in (
         (critical_section_ops.CriticalSection, "execute", _execute_wrapper),
+        (locking, "_traced_section", _section_wrapper),
         (concrete_function.ConcreteFunction, "_call_flat", _call_wrapper),
         (resource_variable_ops.VariableSpec, "to_tensors", _to_tensors_wrapper),
         (threading.Thread, "start", _start_wrapper),

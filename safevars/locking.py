@@ -426,8 +426,17 @@ def held_in_graph(guard: Guard) -> list[Any] | None:
     return None
 
 
-def graph_section(guards: Sequence[Guard], fn: Callable[[], Any]) -> Any:
+def graph_section(
+    guards: Sequence[Guard], fn: Callable[[], Any], after: Any = ()
+) -> Any:
     """Traces ``fn`` inside the critical sections of ``guards`` (global order).
+
+    Args:
+      guards: The guards to hold while ``fn``'s ops run.
+      fn: Traces the section's ops; called once.
+      after: Tensors (any nest, composites included) the section waits for before it
+        takes its first lock, so that computing them (gradients, the value to write)
+        does not hold the lock.
 
     Returns ``fn()``'s result, made to depend on the release of every lock. The locks are
     released only after every op ``fn`` created has run (not only its outputs, which is
@@ -436,7 +445,7 @@ def graph_section(guards: Sequence[Guard], fn: Callable[[], Any]) -> Any:
     ordered = _sorted_unique(guards)
     switched = [g for g in ordered if g.ensure_runtime()]
     try:
-        result = _traced_section(ordered, fn)
+        result = _traced_section(ordered, fn, after)
     except BaseException:
         for g in switched:  # A failed trace changes nothing, not even the lock mode.
             g.undo_runtime()
@@ -446,55 +455,49 @@ def graph_section(guards: Sequence[Guard], fn: Callable[[], Any]) -> Any:
     return result
 
 
-def _traced_section(ordered: list[Guard], fn: Callable[[], Any]) -> Any:
+def _traced_section(ordered: list[Guard], fn: Callable[[], Any], after: Any) -> Any:
+    """The ops of one section: lock every new guard, run ``fn``, release them all.
+
+    The mutexes of the guards' ``tf.CriticalSection`` s are taken with the same ops
+    ``CriticalSection.execute`` uses (``MutexLock``, then ``ConsumeMutexLock`` once the
+    section's ops have run), but flat: one after another in the global order, and all
+    released together after the body. Nesting one ``execute`` per guard would chain
+    every release behind the inner ones (three ops per level on the critical path).
+    Re-entry needs no check here: a guard already held by a section being traced in an
+    enclosing graph (``held_in_graph``) is not locked again.
+    """
     graph = ops.get_default_graph()
     new = [g for g in ordered if held_in_graph(g) is None]
     if not new:
         return fn()
     writes: list[Any] = []
     stack = _graph_held()
-
-    device = _section_device(ordered)
-
-    def innermost() -> Any:
+    inputs = [
+        x for x in tf.nest.flatten(after, expand_composites=True) if isinstance(x, tf.Tensor)
+    ]
+    with tf.device(_section_device(ordered)):
+        locks: list[tf.Tensor] = []
+        for guard in new:
+            with tf.control_dependencies(locks[-1:] if locks else inputs):
+                locks.append(gen_resource_variable_ops.mutex_lock(guard.cs._handle))
         existing = set(graph.get_operations())
         stack.append((graph, frozenset(ordered), writes))
         try:
-            result = fn()
+            with tf.control_dependencies(locks):
+                result = fn()
         finally:
             stack.pop()
         created = [op for op in graph.get_operations() if op not in existing]
+        released = []
         with tf.control_dependencies(created):
-            done = tf.constant(True)
-        leaves = tf.nest.flatten(result)
-        tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
-        return (tensors, done), (result, leaves)
-
-    packed: list[Any] = []
-
-    def outputs_only() -> Any:
-        outputs, python_side = innermost()
-        packed.append(python_side)
-        return outputs
-
-    body: Callable[[], Any] = outputs_only
-    for g in reversed(new):
-        body = _nest(g, body)
-    try:
-        with tf.device(device):
-            tensors, _ = body()
-    except ValueError as e:
-        if "already running" in str(e):
-            raise LockReentryError(
-                "A safevars critical section was entered again from inside itself in a "
-                "tf.function (for instance by calling, inside safevars.transaction, a "
-                "nested tf.function traced elsewhere that locks the same variable). Write "
-                "the variables directly inside the transaction instead."
-            ) from e
-        raise
-    result, leaves = packed[0]
-    released = iter(tensors)
-    leaves = [next(released) if isinstance(x, tf.Tensor) else x for x in leaves]
+            for guard, lock in zip(new, locks):
+                with ops.colocate_with(guard.cs._handle):
+                    released.append(gen_resource_variable_ops.consume_mutex_lock(lock))
+        with tf.control_dependencies(released):
+            leaves = [
+                tf.identity(x) if isinstance(x, tf.Tensor) else x
+                for x in tf.nest.flatten(result)
+            ]
     return tf.nest.pack_sequence_as(result, leaves)
 
 
@@ -515,10 +518,3 @@ def _section_device(ordered: list[Guard]) -> str | None:
         return None
     (device,) = devices
     return device if device and tf.DeviceSpec.from_string(device).job == "ps" else None
-
-
-def _nest(guard: Guard, body: Callable[[], Any]) -> Callable[[], Any]:
-    def locked_body() -> Any:
-        return guard.cs.execute(body, exclusive_resource_access=False)
-
-    return locked_body

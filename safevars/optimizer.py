@@ -775,7 +775,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             with hold(guards):
                 body()
         else:
-            graph_section(guards, body)
+            graph_section(guards, body, after=step.grads)
 
     def _locked_step(self, step: _Step, strategy: tf.distribute.Strategy | None) -> None:
         """Everything one call does, with every lock held (one trace-safe path).

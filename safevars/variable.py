@@ -220,8 +220,11 @@ class SafeVariable(wrapt.ObjectProxy):
 
     # ------------------------------------------------------------------ writes
 
-    def _write(self, op: Callable[[], Any], read_value: bool) -> Any:
-        """Runs the write ``op`` under the lock and counts it (eager or graph)."""
+    def _write(self, op: Callable[[], Any], read_value: bool, after: Any = ()) -> Any:
+        """Runs the write ``op`` under the lock and counts it (eager or graph).
+
+        In a graph the lock is taken once ``after`` (the value to write) is computed.
+        """
         guard = self._self_guard
         if tf.executing_eagerly():
             result = guard.call_locked(op)
@@ -229,7 +232,7 @@ class SafeVariable(wrapt.ObjectProxy):
         writes = held_in_graph(guard)
         if writes is not None:
             return self._graph_write_body(op, writes)
-        out = graph_section([guard], lambda: self._graph_write_body(op, None))
+        out = graph_section([guard], lambda: self._graph_write_body(op, None), after)
         return out if read_value else out.op
 
     def _graph_write_body(
@@ -340,7 +343,8 @@ class SafeVariable(wrapt.ObjectProxy):
             return self if read_value else None
         wrapped_method = getattr(wrapped, method)
         return self._write(
-            lambda: wrapped_method(tensor, use_locking, name, read_value=False), read_value
+            lambda: wrapped_method(tensor, use_locking, name, read_value=False), read_value,
+            after=tensor,
         )
 
     def _strided_slice_assign(

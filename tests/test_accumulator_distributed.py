@@ -111,7 +111,8 @@ class TestParameterServer:
         assert c["coordinator_taken"] == expected.tolist()
         pending, added, *_, taken, takes, discarded = c["counted_statistics"]
         assert (pending, added, taken, discarded) == (0, n, n, 0)
-        assert 1 <= takes < c["coordinator_takes"]  # the last take found nothing
+        assert 1 <= takes < c["coordinator_takes"]  # the extra last take found nothing
+        assert c["last_take"] == [0.0] * len(expected)
         # Taken by the workers themselves (take_if_ready, num_required=4), and the rest.
         assert (np.add(c["worker_taken"], c["ready_rest"]) == expected).all()
         ready = c["ready_statistics"]

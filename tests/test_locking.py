@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -245,3 +246,23 @@ def test_a_section_runs_on_the_parameter_server_holding_all_its_variables():
     assert _section_device(guards("/job:worker/replica:0/task:0/device:CPU:0")) is None
     assert _section_device(guards("/job:localhost/replica:0/task:0/device:CPU:0")) is None
     assert _section_device(guards("")) is None
+
+
+def test_a_graph_write_takes_the_lock_only_once_its_value_is_computed():
+    v = SafeVariable(tf.zeros([4]))
+    x = tf.ones([4])
+
+    @tf.function(autograph=False)
+    def write():
+        v.assign(tf.sqrt(x) * 3.0)  # computed before the section, outside the lock
+
+    graph = write.get_concrete_function().graph
+    (lock,) = [op for op in graph.get_operations() if op.type == "MutexLock"]
+    (value,) = [op for op in graph.get_operations() if op.type == "Mul"]
+    assert value in lock.control_inputs
+    (release,) = [op for op in graph.get_operations() if op.type == "ConsumeMutexLock"]
+    assign = [op for op in graph.get_operations() if op.type == "AssignVariableOp"]
+    assert set(assign) <= set(release.control_inputs)  # released after the write
+    write()
+    np.testing.assert_allclose(v.numpy(), [3.0] * 4)
+    assert v.version == 1

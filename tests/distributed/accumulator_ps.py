@@ -180,6 +180,9 @@ def main() -> None:
         coordinator_takes.append(np.concatenate([got[0].numpy().ravel(), got[1].numpy()]))
         if finished:
             break
+    # Everything is taken now; one more take finds nothing (and is not counted).
+    got = counted.take()
+    coordinator_takes.append(np.concatenate([got[0].numpy().ravel(), got[1].numpy()]))
     fetcher.join()
     assert len(fetched) == workers, "a worker's loop failed"
     worker_taken = np.sum(fetched, axis=0)
@@ -253,6 +256,7 @@ def main() -> None:
                                     fast_total[1].numpy()]).tolist(),
             "fast_statistics": list(fast.statistics()),
             "coordinator_takes": len(coordinator_takes),
+            "last_take": coordinator_takes[-1].tolist(),
             "coordinator_taken": np.sum(coordinator_takes, axis=0).tolist(),
             "counted_statistics": list(counted_statistics),
             "worker_taken": worker_taken.tolist(),
