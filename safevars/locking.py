@@ -412,18 +412,31 @@ def held_in_graph(guard: Guard) -> list[Any] | None:
     ``tf.cond``/``tf.while_loop`` body nested in it) runs inside the transaction's
     critical sections, so it must not lock again.
     """
+    for guards, writes in _enclosing_sections():
+        if guard in guards:
+            return writes
+    return None
+
+
+def _enclosing_sections() -> list[tuple[frozenset[Guard], list[Any]]]:
+    """(guards, write-op list) of the sections being traced around the current graph.
+
+    Innermost first: sections traced in this graph or in a graph enclosing it (a
+    ``tf.cond``/``tf.while_loop`` body, a nested ``tf.function``).
+    """
     stack = _graph_held()
     if not stack:
-        return None
-    graph = ops.get_default_graph()
-    for txn_graph, guards, writes in reversed(stack):
-        if guard in guards:
-            g = graph
-            while g is not None:
-                if g is txn_graph:
-                    return writes
-                g = getattr(g, "outer_graph", None)
-    return None
+        return []
+    chain = []
+    g = ops.get_default_graph()
+    while g is not None:
+        chain.append(g)
+        g = getattr(g, "outer_graph", None)
+    return [
+        (guards, writes)
+        for txn_graph, guards, writes in reversed(stack)
+        if any(txn_graph is c for c in chain)
+    ]
 
 
 def graph_section(
@@ -464,12 +477,28 @@ def _traced_section(ordered: list[Guard], fn: Callable[[], Any], after: Any) -> 
     released together after the body. Nesting one ``execute`` per guard would chain
     every release behind the inner ones (three ops per level on the critical path).
     Re-entry needs no check here: a guard already held by a section being traced in an
-    enclosing graph (``held_in_graph``) is not locked again.
+    enclosing graph (``held_in_graph``) is not locked again. A section traced inside
+    another may add only guards that sort after the ones held (as eagerly), and every
+    section takes its first lock only once ``after`` is computed: a lock taken while
+    the section still waits for a value that another section produces could otherwise
+    deadlock against a graph doing the same the other way round (``a.assign(b.update(f))``
+    in one thread, ``b.assign(a.update(g))`` in another; measured here: it hung).
     """
     graph = ops.get_default_graph()
-    new = [g for g in ordered if held_in_graph(g) is None]
+    enclosing = _enclosing_sections()
+    held = set().union(*(guards for guards, _ in enclosing)) if enclosing else set()
+    new = [g for g in ordered if g not in held]
     if not new:
         return fn()
+    if held:
+        top = max(held, key=lambda g: g.order)
+        if new[0].order < top.order:  # Same rule as eager hold(): no lock out of order.
+            raise LockOrderError(
+                f"A section traced inside a section holding {top.name!r} takes the lock "
+                f"of {new[0].name!r}, which comes earlier in safevars' global lock "
+                "order; two such graphs running at once could deadlock. Name every "
+                "variable up front: safevars.transaction([a, b, ...], fn)."
+            )
     writes: list[Any] = []
     stack = _graph_held()
     inputs = [

@@ -266,3 +266,40 @@ def test_a_graph_write_takes_the_lock_only_once_its_value_is_computed():
     write()
     np.testing.assert_allclose(v.numpy(), [3.0] * 4)
     assert v.version == 1
+
+
+def test_graphs_writing_each_others_results_crosswise_do_not_deadlock():
+    # Each write's lock is taken only once its value (another section's result) exists;
+    # taking it first would hold one lock while waiting for the other (it hung).
+    a, b = SafeVariable(0.0), SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def one():
+        a.assign(b.update(lambda x: x + 1.0))
+
+    @tf.function(autograph=False)
+    def other():
+        b.assign(a.update(lambda x: x + 1.0))
+
+    one(), other()
+    run_threads(2, lambda i: [(one if i == 0 else other)() for _ in range(200)])
+    assert a.version == b.version == 2 * (1 + 200)
+
+
+def test_a_nested_graph_section_out_of_lock_order_is_refused_at_trace_time():
+    first, second = SafeVariable(1.0), SafeVariable(2.0)
+
+    @tf.function(autograph=False)
+    def in_order():
+        return first.update(lambda x: x + second.update(lambda y: y + 1.0))
+
+    assert float(in_order()) == 4.0 and (first.version, second.version) == (1, 1)
+
+    @tf.function(autograph=False)
+    def out_of_order():
+        return second.update(lambda y: y + first.update(lambda x: x + 1.0))
+
+    with pytest.raises(safevars.LockOrderError, match="global lock order"):
+        out_of_order()
+    assert (float(first.numpy()), float(second.numpy())) == (4.0, 3.0)
+    assert (first.version, second.version) == (1, 1)
