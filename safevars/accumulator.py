@@ -68,7 +68,12 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 from tensorflow.python.util import nest  # flatten_up_to (not in tf.nest)
 
-from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy
+from safevars.distribute import (
+    SUPPORTED_STRATEGIES,
+    check_strategy,
+    is_parameter_server,
+    on_parameter_server,
+)
 from safevars.errors import (
     AccumulatorTimeoutError,
     DTypeMismatchError,
@@ -334,7 +339,7 @@ class GradientAccumulator(tf.Module):
             self._guard = Guard(self._state)
         # State on a parameter server: eager calls (on the coordinator) run as
         # tf.functions, whose critical section runs there (see _run_remote).
-        self._remote = _on_parameter_server(self._state)
+        self._remote = on_parameter_server(self._state.device)
         self._arrived = threading.Condition()
         self._arrivals = 0
         helpers = self._helpers
@@ -435,7 +440,7 @@ class GradientAccumulator(tf.Module):
         if not tf.distribute.has_strategy():
             return None
         strategy = check_strategy()
-        if _is_parameter_server(strategy) and not _on_parameter_server(self._state):
+        if is_parameter_server(strategy) and not on_parameter_server(self._state.device):
             raise UnsupportedStrategyError(
                 f"GradientAccumulator {self.name!r} keeps its state on "
                 f"{self._state.device or 'this process'}, which ParameterServerStrategy "
@@ -1377,16 +1382,6 @@ def _as_tensors(parts: list[_Part]) -> list[tuple]:
     return out
 
 
-def _is_parameter_server(strategy: tf.distribute.Strategy | None) -> bool:
-    return strategy is not None and any(
-        cls.__name__ == "ParameterServerStrategyV2" for cls in type(strategy).__mro__
-    )
-
-
-def _on_parameter_server(variable: Any) -> bool:
-    return tf.DeviceSpec.from_string(getattr(variable, "device", "") or "").job == "ps"
-
-
 def _state_device(first: Any) -> str:
     """Where the state lives: with the first variable, or on a parameter server.
 
@@ -1395,9 +1390,9 @@ def _state_device(first: Any) -> str:
     variable's parameter server, else ``/job:ps/task:0``.
     """
     device = getattr(first, "device", "") or ""
-    if _on_parameter_server(first):
+    if on_parameter_server(device):
         return device
-    if tf.distribute.has_strategy() and _is_parameter_server(tf.distribute.get_strategy()):
+    if tf.distribute.has_strategy() and is_parameter_server(tf.distribute.get_strategy()):
         return "/job:ps/replica:0/task:0/device:CPU:0"
     return device
 

@@ -96,6 +96,18 @@ def check_strategy(strategy: tf.distribute.Strategy | None = None) -> tf.distrib
     return strategy
 
 
+def is_parameter_server(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether ``strategy`` is a TF2 ``ParameterServerStrategy``."""
+    return strategy is not None and any(
+        cls.__name__ == "ParameterServerStrategyV2" for cls in type(strategy).__mro__
+    )
+
+
+def on_parameter_server(device: str | None) -> bool:
+    """Whether ``device`` (a device string, possibly empty) is on a ``ps`` task."""
+    return bool(device) and tf.DeviceSpec.from_string(device).job == "ps"
+
+
 def merge_context(variable: Any) -> tf.distribute.ReplicaContext | None:
     """The replica context if a write of ``variable`` must be merged across replicas first.
 

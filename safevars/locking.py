@@ -46,6 +46,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
 from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
+from safevars.distribute import on_parameter_server
 from safevars.errors import (
     InvalidArgumentError,
     LockOrderError,
@@ -175,7 +176,7 @@ class Guard:
 
     def _enter_new(self, me: int) -> None:
         """Takes the lock for ``me`` (which does not hold it); caller checked the order."""
-        if self.runtime and "/job:ps" in self.device:
+        if self.runtime and on_parameter_server(self.device):
             # An eager MutexLock from the coordinator on a parameter server's mutex,
             # while scheduled steps take it too, was measured to hang: refuse instead.
             raise UnsupportedStrategyError(
@@ -546,4 +547,4 @@ def _section_device(ordered: list[Guard]) -> str | None:
     if len(devices) != 1:
         return None
     (device,) = devices
-    return device if device and tf.DeviceSpec.from_string(device).job == "ps" else None
+    return device if on_parameter_server(device) else None

@@ -79,6 +79,7 @@ from tensorflow.python.distribute import distribute_lib, sharded_variable
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
+from safevars.distribute import is_parameter_server
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -636,10 +637,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
     def _on_parameter_servers(self) -> bool:
         """Whether this optimizer's state lives on parameter servers (created under PS)."""
-        return isinstance(
-            getattr(self, "_distribution_strategy", None),
-            tf.distribute.experimental.ParameterServerStrategy,
-        )
+        return is_parameter_server(getattr(self, "_distribution_strategy", None))
 
     def _coordinator_function(
         self, key: Any, make: Callable[[], Callable[..., Any]]

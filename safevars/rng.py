@@ -136,7 +136,7 @@ from tensorflow.python.ops import (
 )
 
 from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
-from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy
+from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy, is_parameter_server
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 
 __all__ = ["ReplicaRNG", "ReplicaStream"]
@@ -302,10 +302,6 @@ _SUPPORTED_USES = (
     "tf.functions run by that strategy's ClusterCoordinator.schedule (or from "
     "rng.for_worker(w))."
 )
-
-
-def _is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
-    return any(cls.__name__ == "ParameterServerStrategyV2" for cls in type(strategy).__mro__)
 
 
 def _parameter_server_tasks(strategy: tf.distribute.Strategy) -> tuple[int, int]:
@@ -818,7 +814,7 @@ class ReplicaRNG(tf.Module):
         strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         if strategy is not None:
             check_strategy(strategy)
-        parameter_server = strategy is not None and _is_parameter_server(strategy)
+        parameter_server = is_parameter_server(strategy)
         if num_replicas is None:
             num_replicas = strategy.num_replicas_in_sync if strategy is not None else 1
         num_replicas = _check_int(
@@ -989,7 +985,7 @@ class ReplicaRNG(tf.Module):
         """Raises if the current strategy cannot use this RNG's streams."""
         strategy = tf.distribute.get_strategy()
         check_strategy(strategy)
-        if _is_parameter_server(strategy) == self._parameter_server:
+        if is_parameter_server(strategy) == self._parameter_server:
             return
         if self._parameter_server:
             raise UnsupportedStrategyError(
