@@ -855,9 +855,8 @@ class GradientAccumulator(tf.Module):
     def _commit(self, parts: list[_Part]) -> int | tf.Tensor:
         """Decides and commits contributions in one critical section."""
         if not tf.executing_eagerly():
-            return graph_section(
-                [self._guard], lambda: self._commit_body(parts), after=[p.values for p in parts]
-            )
+            # The lock waits for every tensor of the contributions (after=parts).
+            return graph_section([self._guard], lambda: self._commit_body(parts), parts)
         if self._remote:
             accepted = int(self._run_remote(
                 "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
