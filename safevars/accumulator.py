@@ -51,9 +51,10 @@ NOTES:
   * The buffer does not shrink: a burst of adds without ``take`` keeps its memory.
   * ``take`` of a deterministic accumulator runs an XLA-compiled function; TensorFlow
     builds without XLA's JIT cannot run it.
-  * Under ``tf.distribute`` only strategies with ``merge_call`` semantics (Mirrored,
-    OneDevice, the default) are supported here; multi-worker and parameter-server
-    strategies are covered by :mod:`safevars.distribute`.
+  * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
+    supported (see "Strategies" in :class:`GradientAccumulator`); under
+    ``ParameterServerStrategy`` the accumulator must be created in the strategy's
+    scope (or for variables on a parameter server), or the workers cannot reach it.
 """
 
 from __future__ import annotations

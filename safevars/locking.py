@@ -487,7 +487,7 @@ def _traced_section(ordered: list[Guard], fn: Callable[[], Any], after: Any) -> 
     """
     graph = ops.get_default_graph()
     enclosing = _enclosing_sections()
-    held = set().union(*(guards for guards, _ in enclosing)) if enclosing else set()
+    held: set[Guard] = set().union(*(guards for guards, _ in enclosing))
     new = [g for g in ordered if g not in held]
     if not new:
         return fn()
