@@ -81,12 +81,14 @@ MODELS = (SMALL, LARGE)
 
 def _model(spec: Model) -> keras.Model:
     keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((spec.features,)),
-        keras.layers.Dense(spec.width, activation="relu"),
-        keras.layers.Dense(spec.width, activation="relu"),
-        keras.layers.Dense(CLASSES),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((spec.features,)),
+            keras.layers.Dense(spec.width, activation="relu"),
+            keras.layers.Dense(spec.width, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
 
 
 def _batches(spec: Model) -> list[tuple[tf.Tensor, tf.Tensor]]:

@@ -38,14 +38,17 @@ OPS_PER_CALL = 100
 
 def _work(op: str, v: tf.Variable, value: tf.Tensor, n: int) -> Callable[[], Any]:
     if op == "read":
+
         def work() -> None:
             for _ in range(n):
                 v.read_value()
     elif op == "assign":
+
         def work() -> None:
             for _ in range(n):
                 v.assign(value, read_value=False)
     elif op == "read_modify_write":
+
         def work() -> None:
             for _ in range(n):
                 v.assign(v.read_value() + value, read_value=False)
@@ -73,13 +76,15 @@ def cases(ctx: Context) -> list[Case]:
             v = tf.Variable(tf.zeros(shape), name=f"audited_{size_label(size)}")
             value = tf.ones(shape)
         for op in OPS:
-            out.append(Case(
-                family=FAMILY,
-                name=f"{op}/{size_label(size)}",
-                variants=_pair(_work(op, v, value, n)),
-                ops_per_call=n,
-                params={"op": op, "size": size, "dtype": "float32", "threads": 1},
-            ))
+            out.append(
+                Case(
+                    family=FAMILY,
+                    name=f"{op}/{size_label(size)}",
+                    variants=_pair(_work(op, v, value, n)),
+                    ops_per_call=n,
+                    params={"op": op, "size": size, "dtype": "float32", "threads": 1},
+                )
+            )
 
     with tf.device(ctx.device):
         counter = tf.Variable(0.0, name="audited_function_counter")
@@ -95,22 +100,26 @@ def cases(ctx: Context) -> list[Case]:
         for _ in range(OPS_PER_CALL):
             step()
 
-    out.append(Case(
-        family=FAMILY,
-        name="tf.function_call/scalar",
-        variants=_pair(calls),
-        ops_per_call=OPS_PER_CALL,
-        params={"op": "tf.function read_modify_write", "size": 1, "threads": 1},
-    ))
+    out.append(
+        Case(
+            family=FAMILY,
+            name="tf.function_call/scalar",
+            variants=_pair(calls),
+            ops_per_call=OPS_PER_CALL,
+            params={"op": "tf.function read_modify_write", "size": 1, "threads": 1},
+        )
+    )
 
     def audited_block() -> None:
         with audit():
             pass
 
-    out.append(Case(
-        family=FAMILY,
-        name="enter_exit",
-        variants={"nullcontext": contextlib.nullcontext, "audit active": audited_block},
-        params={"op": "with safevars.audit(): pass"},
-    ))
+    out.append(
+        Case(
+            family=FAMILY,
+            name="enter_exit",
+            variants={"nullcontext": contextlib.nullcontext, "audit active": audited_block},
+            params={"op": "with safevars.audit(): pass"},
+        )
+    )
     return out

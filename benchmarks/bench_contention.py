@@ -101,8 +101,12 @@ class Crew:
 
 
 def _variant(
-    threads: int, iterations: int, step: Callable[[], Any], reset: Callable[[], Any],
-    value: Callable[[], float], crews: list[Crew],
+    threads: int,
+    iterations: int,
+    step: Callable[[], Any],
+    reset: Callable[[], Any],
+    value: Callable[[], float],
+    crews: list[Crew],
 ) -> Callable[[], dict[str, int]]:
     crew = Crew(threads, iterations, step)
     crews.append(crew)
@@ -151,7 +155,9 @@ def cases(ctx: Context) -> list[Case]:
             ("threading.Lock", with_lock, locked),
         ):
             variants[name] = _variant(
-                threads, iterations, step,
+                threads,
+                iterations,
+                step,
                 reset=lambda v=variable: v.assign(0.0, read_value=False),
                 value=lambda v=variable: float(v.read_value().numpy()),
                 crews=crews,
@@ -161,12 +167,14 @@ def cases(ctx: Context) -> list[Case]:
             for crew in crews:
                 crew.close()
 
-        out.append(Case(
-            family=FAMILY,
-            name=f"read-modify-write/{threads} thread{'' if threads == 1 else 's'}",
-            variants=variants,
-            ops_per_call=threads * iterations,
-            params={"threads": threads, "iterations": iterations},
-            teardown=teardown,
-        ))
+        out.append(
+            Case(
+                family=FAMILY,
+                name=f"read-modify-write/{threads} thread{'' if threads == 1 else 's'}",
+                variants=variants,
+                ops_per_call=threads * iterations,
+                params={"threads": threads, "iterations": iterations},
+                teardown=teardown,
+            )
+        )
     return out

@@ -52,8 +52,9 @@ def _source(n: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(n, FEATURES)).astype(np.float32), np.arange(n, dtype=np.int64)
 
 
-def _reader(iterator: Any, steps: int, ctx: Context,
-            commit: Callable[[Any], None] | None) -> Callable[[], Any]:
+def _reader(
+    iterator: Any, steps: int, ctx: Context, commit: Callable[[Any], None] | None
+) -> Callable[[], Any]:
     """A call that takes ``steps`` elements/batches from ``iterator`` and sums them."""
 
     @tf.function(autograph=False)
@@ -68,8 +69,7 @@ def _reader(iterator: Any, steps: int, ctx: Context,
             with tf.device(ctx.device):
                 return i + 1, total + tf.reduce_sum(x)
 
-        return tf.while_loop(lambda i, _: i < steps, body,
-                             (tf.constant(0), tf.constant(0.0)))[1]
+        return tf.while_loop(lambda i, _: i < steps, body, (tf.constant(0), tf.constant(0.0)))[1]
 
     return lambda: float(read())
 
@@ -80,8 +80,12 @@ def _case(ctx: Context, batch_size: int | None) -> Case:
     per_shard = n // SHARDS
     # Single elements: a slice of an epoch per call (every element is a loop iteration).
     steps = min(per_shard, ELEMENTS_PER_CALL) if batch_size is None else per_shard // batch_size
-    baseline = (tf.data.Dataset.from_tensor_slices((x, y)).shard(SHARDS, SHARD)
-                .shuffle(per_shard, seed=SEED, reshuffle_each_iteration=True).repeat())
+    baseline = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shard(SHARDS, SHARD)
+        .shuffle(per_shard, seed=SEED, reshuffle_each_iteration=True)
+        .repeat()
+    )
     if batch_size is not None:
         baseline = baseline.batch(batch_size)
     baseline = baseline.prefetch(tf.data.AUTOTUNE)
@@ -96,8 +100,13 @@ def _case(ctx: Context, batch_size: int | None) -> Case:
             "ShardedInput": _reader(iter(sharded), steps, ctx, data.commit),
         },
         ops_per_call=steps * (batch_size or 1),
-        params={"elements": n, "shards": SHARDS, "batch_size": batch_size,
-                "elements_per_call": steps * (batch_size or 1), "features": FEATURES},
+        params={
+            "elements": n,
+            "shards": SHARDS,
+            "batch_size": batch_size,
+            "elements_per_call": steps * (batch_size or 1),
+            "features": FEATURES,
+        },
         goal=("ShardedInput", GOAL),
     )
 

@@ -41,8 +41,8 @@ def _coordinator() -> tuple[Any, Any]:
             start_in_process_cluster(WORKERS, 1)
         )
         _cluster["strategy"] = strategy
-        _cluster["coordinator"] = (
-            tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        _cluster["coordinator"] = tf.distribute.experimental.coordinator.ClusterCoordinator(
+            strategy
         )
     return _cluster["strategy"], _cluster["coordinator"]
 

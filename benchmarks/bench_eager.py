@@ -75,6 +75,7 @@ class Subjects:
         lock, cs, value, delta, inc = self.lock, self.cs, self.value, self.delta, self.increment
 
         if op == "read":
+
             def with_lock() -> Any:
                 with lock:
                     return locked.read_value()
@@ -86,6 +87,7 @@ class Subjects:
                 "tf.CriticalSection": lambda: cs.execute(lambda: critical.read_value()),
             }
         if op == "assign":
+
             def with_lock() -> Any:
                 with lock:
                     return locked.assign(value, read_value=False)
@@ -99,6 +101,7 @@ class Subjects:
                 ),
             }
         if op == "assign_add":
+
             def with_lock() -> Any:
                 with lock:
                     return locked.assign_add(delta, read_value=False)
@@ -112,6 +115,7 @@ class Subjects:
                 ),
             }
         if op == "update":
+
             def racy() -> Any:
                 new = inc(plain.read_value())
                 plain.assign(new, read_value=False)
@@ -154,26 +158,30 @@ def cases(ctx: Context) -> list[Case]:
         if size not in subjects:
             subjects[size] = Subjects(size, ctx.device)
         goal, reference = _goal(op, size)
-        out.append(Case(
-            family=FAMILY,
-            name=f"{op}/{size_label(size)}",
-            variants=subjects[size].variants(op),
-            params={"op": op, "size": size, "dtype": "float32"},
-            goal=goal,
-            goal_reference=reference,
-        ))
+        out.append(
+            Case(
+                family=FAMILY,
+                name=f"{op}/{size_label(size)}",
+                variants=subjects[size].variants(op),
+                params={"op": op, "size": size, "dtype": "float32"},
+                goal=goal,
+                goal_reference=reference,
+            )
+        )
     # The default call (read_value=True): what most code writes.
     with tf.device(ctx.device):
         plain = tf.Variable(0.0, name="plain_default")
         safe = safevars.SafeVariable(0.0, name="safe_default")
         delta = tf.constant(1.0)
-    out.append(Case(
-        family=FAMILY,
-        name="assign_add(default)/scalar",
-        variants={
-            "tf.Variable": lambda: plain.assign_add(delta),
-            "SafeVariable": lambda: safe.assign_add(delta),
-        },
-        params={"op": "assign_add", "size": 1, "dtype": "float32", "read_value": True},
-    ))
+    out.append(
+        Case(
+            family=FAMILY,
+            name="assign_add(default)/scalar",
+            variants={
+                "tf.Variable": lambda: plain.assign_add(delta),
+                "SafeVariable": lambda: safe.assign_add(delta),
+            },
+            params={"op": "assign_add", "size": 1, "dtype": "float32", "read_value": True},
+        )
+    )
     return out

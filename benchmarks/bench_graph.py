@@ -37,9 +37,16 @@ ORDER = 2
 OPS_PER_CALL = 8
 
 
-def _body(op: str, variable: Any, value: tf.Tensor, delta: tf.Tensor, one: tf.Tensor,
-          wrap: Callable[[Callable[[], Any]], Any]) -> Callable[[], Any]:
+def _body(
+    op: str,
+    variable: Any,
+    value: tf.Tensor,
+    delta: tf.Tensor,
+    one: tf.Tensor,
+    wrap: Callable[[Callable[[], Any]], Any],
+) -> Callable[[], Any]:
     """A function doing ``OPS_PER_CALL`` times ``op`` on ``variable``, each through ``wrap``."""
+
     def one_op() -> Any:
         if op == "read":
             return variable.read_value()
@@ -100,10 +107,9 @@ def cases(ctx: Context) -> list[Case]:
             one = tf.constant(1.0)
         lock = threading.Lock()
         for op in OPS:
+
             def function(variable: Any, wrap: Callable[[Callable[[], Any]], Any]) -> Any:
-                return tf.function(
-                    _body(op, variable, value, delta, one, wrap), autograph=False
-                )
+                return tf.function(_body(op, variable, value, delta, one, wrap), autograph=False)
 
             plain_fn = function(plain, _direct)
             safe_fn = function(safe, _direct)
@@ -114,17 +120,23 @@ def cases(ctx: Context) -> list[Case]:
                 with lock:
                     return locked_fn()
 
-            out.append(Case(
-                family=FAMILY,
-                name=f"{op}/{size_label(size)}",
-                variants={
-                    "tf.Variable": plain_fn,
-                    "SafeVariable": safe_fn,
-                    "threading.Lock": with_lock,
-                    "tf.CriticalSection": critical_fn,
-                },
-                ops_per_call=OPS_PER_CALL,
-                params={"op": op, "size": size, "dtype": "float32",
-                        "ops_per_call": OPS_PER_CALL},
-            ))
+            out.append(
+                Case(
+                    family=FAMILY,
+                    name=f"{op}/{size_label(size)}",
+                    variants={
+                        "tf.Variable": plain_fn,
+                        "SafeVariable": safe_fn,
+                        "threading.Lock": with_lock,
+                        "tf.CriticalSection": critical_fn,
+                    },
+                    ops_per_call=OPS_PER_CALL,
+                    params={
+                        "op": op,
+                        "size": size,
+                        "dtype": "float32",
+                        "ops_per_call": OPS_PER_CALL,
+                    },
+                )
+            )
     return out

@@ -49,7 +49,9 @@ def sizes(ctx: Context) -> tuple[int, ...]:
     return tuple(ctx.sizes)
 
 
-def _variants(size: int, shape: list[int], ctx: Context, mode: str) -> dict[str, Callable[[], Any]]:
+def _variants(
+    size: int, shape: list[int], ctx: Context, mode: str
+) -> dict[str, Callable[[], Any]]:
     """One call per variant: Generator, stateless, ReplicaRNG, all on ``ctx.device``.
 
     Eagerly every call draws once. In graph mode every call runs a ``tf.function``
@@ -79,8 +81,11 @@ def _variants(size: int, shape: list[int], ctx: Context, mode: str) -> dict[str,
         return tf.function(body, autograph=False)
 
     generator_fn = graph(lambda base, i: generator.normal(shape))
-    stateless_fn = graph(lambda base, i: tf.random.stateless_normal(
-        shape, tf.stack([base, tf.constant(i, tf.int64)])))
+    stateless_fn = graph(
+        lambda base, i: tf.random.stateless_normal(
+            shape, tf.stack([base, tf.constant(i, tf.int64)])
+        )
+    )
     rng_fn = graph(lambda base, i: rng.normal(shape))
     return {
         "tf.random.Generator.normal": lambda: generator_fn(base),
@@ -98,15 +103,21 @@ def cases(ctx: Context) -> list[Case]:
             ops = 1 if mode == "eager" else graph_draws(size)
             label = size_label(size)
             params = {"size": size, "mode": mode, "dtype": "float32", "draws_per_call": ops}
-            for name, baseline in (("normal", "tf.random.Generator.normal"),
-                                   ("normal_vs_stateless", "tf.random.stateless_normal")):
-                out.append(Case(
-                    family=FAMILY,
-                    name=f"{name}/{mode}/{label}",
-                    variants={baseline: draws[baseline],
-                              "ReplicaRNG.normal": draws["ReplicaRNG.normal"]},
-                    ops_per_call=ops,
-                    params=dict(params, baseline=baseline),
-                    goal=("ReplicaRNG.normal", GOAL),
-                ))
+            for name, baseline in (
+                ("normal", "tf.random.Generator.normal"),
+                ("normal_vs_stateless", "tf.random.stateless_normal"),
+            ):
+                out.append(
+                    Case(
+                        family=FAMILY,
+                        name=f"{name}/{mode}/{label}",
+                        variants={
+                            baseline: draws[baseline],
+                            "ReplicaRNG.normal": draws["ReplicaRNG.normal"],
+                        },
+                        ops_per_call=ops,
+                        params=dict(params, baseline=baseline),
+                        goal=("ReplicaRNG.normal", GOAL),
+                    )
+                )
     return out

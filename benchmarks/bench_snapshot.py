@@ -22,9 +22,8 @@ snapshot/locked <= 1.0).
 
 from __future__ import annotations
 
-from typing import Any
-
 import threading
+from typing import Any
 
 import tensorflow as tf
 
@@ -130,16 +129,18 @@ def cases(ctx: Context) -> list[Case]:
         def section_reads(variables: list[Any] = critical, cs: Any = cs) -> Any:
             return cs.execute(lambda: [v.read_value() for v in variables])
 
-        out.append(Case(
-            family=FAMILY,
-            name=f"{count} variable{'' if count == 1 else 's'}",
-            variants={
-                "N plain reads": plain_reads,
-                "safevars.snapshot": snapshot,
-                "safevars.locked": locked_reads,
-                "tf.CriticalSection": section_reads,
-            },
-            params={"variables": count, "size": 1, "dtype": "float32"},
-        ))
+        out.append(
+            Case(
+                family=FAMILY,
+                name=f"{count} variable{'' if count == 1 else 's'}",
+                variants={
+                    "N plain reads": plain_reads,
+                    "safevars.snapshot": snapshot,
+                    "safevars.locked": locked_reads,
+                    "tf.CriticalSection": section_reads,
+                },
+                params={"variables": count, "size": 1, "dtype": "float32"},
+            )
+        )
     out.append(_busy_writer_case(ctx))
     return out

@@ -120,8 +120,11 @@ def _mirrored_strategy(ctx: Context) -> tf.distribute.MirroredStrategy:
 
 
 def _mirrored_train_step(
-    strategy: tf.distribute.MirroredStrategy, model: keras.Model, optimizer: Any,
-    x: np.ndarray, y: np.ndarray,
+    strategy: tf.distribute.MirroredStrategy,
+    model: keras.Model,
+    optimizer: Any,
+    x: np.ndarray,
+    y: np.ndarray,
 ) -> Any:
     batch = len(x)
     replicas = strategy.num_replicas_in_sync
@@ -129,7 +132,7 @@ def _mirrored_train_step(
 
     def shard(ctx: tf.distribute.ReplicaContext) -> tuple[tf.Tensor, tf.Tensor]:
         start = ctx.replica_id_in_sync_group * share
-        return tf.constant(x[start:start + share]), tf.constant(y[start:start + share])
+        return tf.constant(x[start : start + share]), tf.constant(y[start : start + share])
 
     inputs = strategy.experimental_distribute_values_from_function(shard)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -170,14 +173,25 @@ def _mirrored_case(ctx: Context) -> Case:
             "Adam": _mirrored_train_step(strategy, plain_model, plain_opt, x, y),
             "SafeOptimizer(Adam)": _mirrored_train_step(strategy, safe_model, safe_opt, x, y),
         },
-        params={"layers": LAYERS, "width": width, "features": FEATURES,
-                "classes": CLASSES, "batch": batch, "replicas": replicas,
-                "devices": list(strategy.extended.worker_devices)},
+        params={
+            "layers": LAYERS,
+            "width": width,
+            "features": FEATURES,
+            "classes": CLASSES,
+            "batch": batch,
+            "replicas": replicas,
+            "devices": list(strategy.extended.worker_devices),
+        },
     )
 
 
 def _step_case(
-    ctx: Context, name: str, width: int, layers: int, batch: int, goal: float | None,
+    ctx: Context,
+    name: str,
+    width: int,
+    layers: int,
+    batch: int,
+    goal: float | None,
     jit_compile: bool = False,
 ) -> Case:
     """``name``: the training step of a ``layers`` x ``width`` MLP, plain vs safe Adam."""
@@ -190,8 +204,12 @@ def _step_case(
             safe_model, SafeOptimizer(keras.optimizers.Adam(1e-3)), xb, yb, jit_compile
         )
     params: dict[str, Any] = {
-        "layers": layers, "width": width, "features": FEATURES, "classes": CLASSES,
-        "batch": batch, "trainable_variables": len(safe_model.trainable_variables),
+        "layers": layers,
+        "width": width,
+        "features": FEATURES,
+        "classes": CLASSES,
+        "batch": batch,
+        "trainable_variables": len(safe_model.trainable_variables),
         "jit_compile": jit_compile,
     }
     variants = {"Adam": plain, "SafeOptimizer(Adam)": safe}

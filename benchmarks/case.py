@@ -104,9 +104,13 @@ def goal_spec(goal: Any) -> tuple[str, str, float]:
     if isinstance(goal, tuple) and len(goal) == 2:
         goal = (goal[0], "<=", goal[1])
     if (
-        not isinstance(goal, tuple) or len(goal) != 3 or not isinstance(goal[0], str)
-        or goal[1] not in GOAL_OPERATORS or isinstance(goal[2], bool)
-        or not isinstance(goal[2], (int, float)) or not goal[2] > 0
+        not isinstance(goal, tuple)
+        or len(goal) != 3
+        or not isinstance(goal[0], str)
+        or goal[1] not in GOAL_OPERATORS
+        or isinstance(goal[2], bool)
+        or not isinstance(goal[2], (int, float))
+        or not goal[2] > 0
     ):
         raise ValueError(
             f"a goal must be (variant, bound) or (variant, '<=' or '>=', bound) with a "

@@ -38,7 +38,9 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -48,7 +50,7 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
     return value
@@ -58,7 +60,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
     return value
@@ -73,38 +75,82 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes and few rounds: the whole suite in under 45 s on "
-                   "a 2-core CPU")
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                   help="where to place the variables (default: the GPU if TensorFlow "
-                   "sees one, else the CPU)")
-    p.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
-                   help="directory for results.json, results.md and the PNG plots "
-                   "(default: ./bench-results)")
-    p.add_argument("--cases", default=None, metavar="FAMILIES",
-                   help="comma-separated case families to run, or 'all' (default: every "
-                   "non-optional family; see --list)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few rounds: the whole suite in under 45 s on a 2-core CPU",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="where to place the variables (default: the GPU if TensorFlow "
+        "sees one, else the CPU)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        metavar="DIR",
+        help="directory for results.json, results.md and the PNG plots (default: ./bench-results)",
+    )
+    p.add_argument(
+        "--cases",
+        default=None,
+        metavar="FAMILIES",
+        help="comma-separated case families to run, or 'all' (default: every "
+        "non-optional family; see --list)",
+    )
     p.add_argument("--list", action="store_true", help="list the case families and exit")
-    p.add_argument("--schema", action="store_true",
-                   help="print the JSON schema of results.json and exit")
-    p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="timed rounds per case (default: 7 quick, 25 full)")
-    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
-                   help="run the selected families N times, one pass after another "
-                   "(each builds its cases afresh), and pool every case's rounds: "
-                   "medians over all of them, confidence intervals resampling rounds "
-                   "within each pass (default: 1)")
-    p.add_argument("--min-time", type=_positive_float, default=None, metavar="SECONDS",
-                   help="target duration of one timed batch (default: 0.004 quick, 0.03 "
-                   "full)")
-    p.add_argument("--warmup", type=_positive_float, default=None, metavar="SECONDS",
-                   help="warm-up per variant (default: 0.01 quick, 0.2 full)")
-    p.add_argument("--sizes", type=_positive_ints, default=None, metavar="N,N,...",
-                   help="element counts for size-parametrized cases (default: 1,1000,"
-                   "1000000, plus 16000000 on a GPU)")
-    p.add_argument("--threads", type=_positive_ints, default=None, metavar="N,N,...",
-                   help="thread counts for contention cases (default: 1,2,4,8)")
+    p.add_argument(
+        "--schema", action="store_true", help="print the JSON schema of results.json and exit"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="timed rounds per case (default: 7 quick, 25 full)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run the selected families N times, one pass after another "
+        "(each builds its cases afresh), and pool every case's rounds: "
+        "medians over all of them, confidence intervals resampling rounds "
+        "within each pass (default: 1)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="target duration of one timed batch (default: 0.004 quick, 0.03 full)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="warm-up per variant (default: 0.01 quick, 0.2 full)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_positive_ints,
+        default=None,
+        metavar="N,N,...",
+        help="element counts for size-parametrized cases (default: 1,1000,"
+        "1000000, plus 16000000 on a GPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_ints,
+        default=None,
+        metavar="N,N,...",
+        help="thread counts for contention cases (default: 1,2,4,8)",
+    )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     return p
 
@@ -171,17 +217,23 @@ def main(
         f"{f', {args.repeat} passes' if args.repeat > 1 else ''}) on "
         f"{choice.kind.upper()} {choice.name} ({choice.device}): "
         f"{', '.join(f.name for f in selected) or 'no families'}",
-        file=stderr, flush=True,
+        file=stderr,
+        flush=True,
     )
     results = runner.run_families(
-        selected, ctx, settings, progress=stderr,
-        device_sync=devices.device_sync_for(choice), repeat=args.repeat,
+        selected,
+        ctx,
+        settings,
+        progress=stderr,
+        device_sync=devices.device_sync_for(choice),
+        repeat=args.repeat,
     )
     document = runner.build_document(meta, settings, ctx, results, repeat=args.repeat)
     problems = schema.validate(document)
     if problems:  # A bug in the runner: say so, still write what we have.
-        print("results.json does not match its schema:\n  " + "\n  ".join(problems[:20]),
-              file=stderr)
+        print(
+            "results.json does not match its schema:\n  " + "\n  ".join(problems[:20]), file=stderr
+        )
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(document, out / "results.json")
@@ -190,12 +242,14 @@ def main(
         try:
             written = plots.write_plots(document, out, stderr)
         except Exception as e:  # noqa: BLE001 - plots are a convenience; never fail the run
-            print(f"could not draw the plots ({type(e).__name__}: {e}); skipped.",
-                  file=stderr)
+            print(f"could not draw the plots ({type(e).__name__}: {e}); skipped.", file=stderr)
     report.write_markdown(document, out / "results.md", [p.name for p in written])
     print(report.text_table(document), file=stdout, end="", flush=True)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
-          + (f" and {len(written)} plot(s)" if written else ""), file=stderr)
+    print(
+        f"wrote {out / 'results.json'}, {out / 'results.md'}"
+        + (f" and {len(written)} plot(s)" if written else ""),
+        file=stderr,
+    )
     failed = [f["name"] for f in results if f["status"] != "ok"]
     if failed:
         print(f"FAILED families: {', '.join(failed)} (see results.md)", file=stderr)

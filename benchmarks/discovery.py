@@ -82,7 +82,7 @@ def _literals(source: str) -> dict[str, Any]:
 
 
 def _describe(path: Path, package: str) -> FamilyInfo:
-    stem_name = path.stem[len(PREFIX):]
+    stem_name = path.stem[len(PREFIX) :]
     module = f"{package}.{path.stem}"
     try:
         values = _literals(path.read_text(encoding="utf-8"))
@@ -96,8 +96,10 @@ def _describe(path: Path, package: str) -> FamilyInfo:
             return FamilyInfo(stem_name, module, path, problem=f"{type(e).__name__}: {e}")
     if not isinstance(name, str) or not name:
         return FamilyInfo(
-            stem_name, module, path,
-            problem=f"{path.name} defines no FAMILY = \"<name>\" (see benchmarks/case.py).",
+            stem_name,
+            module,
+            path,
+            problem=f'{path.name} defines no FAMILY = "<name>" (see benchmarks/case.py).',
         )
     description = values.get("DESCRIPTION", "")
     default = values.get("DEFAULT", True)
@@ -156,9 +158,7 @@ def select(families: Sequence[FamilyInfo], requested: str | None) -> list[Family
     known = {f.name: f for f in families}
     unknown = [n for n in names if n not in known]
     if unknown:
-        listing = ", ".join(
-            f.name + ("" if f.default else " (optional)") for f in families
-        )
+        listing = ", ".join(f.name + ("" if f.default else " (optional)") for f in families)
         raise UnknownFamilyError(
             f"unknown case famil{'y' if len(unknown) == 1 else 'ies'} "
             f"{', '.join(map(repr, unknown))}; known families: {listing}, or 'all'."
@@ -183,4 +183,3 @@ def load_cases_function(info: FamilyInfo) -> Callable[[Context], list[Case]]:
             f"{info.path.name} defines no cases(ctx) function (see benchmarks/case.py)."
         )
     return cases
-

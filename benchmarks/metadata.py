@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def git_state(repo: Path = REPO_ROOT) -> tuple[str, bool | None]:
     """``(commit, dirty)`` of ``repo``: ``("unknown", None)`` without git or a repository."""
+
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=True

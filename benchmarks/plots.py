@@ -62,8 +62,13 @@ def _overhead(plt: Any, family: dict[str, Any], path: Path) -> bool:
     height = max(2.5, 0.28 * len(ratios) + 1.2)
     fig, ax = plt.subplots(figsize=(9, height))
     positions = range(len(ratios))[::-1]
-    ax.barh(list(positions), ratios, color=colors, xerr=[low, high],
-            error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"})
+    ax.barh(
+        list(positions),
+        ratios,
+        color=colors,
+        xerr=[low, high],
+        error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"},
+    )
     ax.set_yticks(list(positions), labels, fontsize=7)
     ax.axvline(1.0, color="black", linewidth=1)
     if max(ratios) / max(min(ratios), 1e-12) > 20:
@@ -83,9 +88,7 @@ def _thread_groups(families: list[dict[str, Any]]) -> dict[str, dict[str, list]]
     for family in families:
         for case in family["cases"]:
             threads = case["params"].get("threads")
-            if case["status"] != "ok" or isinstance(threads, bool) or not isinstance(
-                threads, int
-            ):
+            if case["status"] != "ok" or isinstance(threads, bool) or not isinstance(threads, int):
                 continue
             rest = {k: v for k, v in case["params"].items() if k != "threads"}
             details = ", ".join(f"{k}={v}" for k, v in sorted(rest.items()))
@@ -93,7 +96,8 @@ def _thread_groups(families: list[dict[str, Any]]) -> dict[str, dict[str, list]]
             for v in case["variants"]:
                 groups[key][v["name"]].append((threads, v["ops_per_s"]))
     return {
-        key: variants for key, variants in groups.items()
+        key: variants
+        for key, variants in groups.items()
         if len({t for points in variants.values() for t, _ in points}) >= 2
     }
 
@@ -110,7 +114,9 @@ def throughput_figure(plt: Any, families: list[dict[str, Any]]) -> Any | None:
     columns = min(MAX_COLUMNS, len(groups))
     rows = -(-len(groups) // columns)
     fig, axes = plt.subplots(
-        rows, columns, squeeze=False,
+        rows,
+        columns,
+        squeeze=False,
         figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows),
     )
     cells = [ax for row in axes for ax in row]
@@ -124,7 +130,7 @@ def throughput_figure(plt: Any, families: list[dict[str, Any]]) -> Any | None:
         ax.set_title(key, fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
-    for ax in cells[len(groups):]:
+    for ax in cells[len(groups) :]:
         fig.delaxes(ax)
     fig.tight_layout()
     return fig

@@ -56,9 +56,7 @@ def format_interval(interval: Any) -> str:
     return f"[{low:.2f}, {high:.2f}]"
 
 
-def format_ratio(
-    ratio: float | None, interval: Any, digits: int = 2, unit: str = ""
-) -> str:
+def format_ratio(ratio: float | None, interval: Any, digits: int = 2, unit: str = "") -> str:
     """``1.05 [1.02, 1.09]`` (``1.05x [1.02, 1.09]`` with ``unit="x"``); ``n/a`` without
     a ratio, no brackets without an interval."""
     if ratio is None:
@@ -109,17 +107,20 @@ def table_rows(family: dict[str, Any]) -> list[tuple[str, ...]]:
             notes = "; ".join(
                 n for n in (_extra_note(v["extra"]), _goal_note(case["goal"], v["name"])) if n
             )
-            rows.append((
-                case["name"],
-                v["name"],
-                format_seconds(v["per_op_median_s"]),
-                format_seconds(v["per_op_min_s"]),
-                format_seconds(v["per_op_max_s"]),
-                format_rate(v["ops_per_s"]),
-                "baseline" if v["baseline"]
-                else format_ratio(v["ratio_to_baseline"], v["ratio_to_baseline_ci_95"]),
-                notes,
-            ))
+            rows.append(
+                (
+                    case["name"],
+                    v["name"],
+                    format_seconds(v["per_op_median_s"]),
+                    format_seconds(v["per_op_min_s"]),
+                    format_seconds(v["per_op_max_s"]),
+                    format_rate(v["ops_per_s"]),
+                    "baseline"
+                    if v["baseline"]
+                    else format_ratio(v["ratio_to_baseline"], v["ratio_to_baseline_ci_95"]),
+                    notes,
+                )
+            )
     return rows
 
 
@@ -143,8 +144,10 @@ def _metadata_lines(document: dict[str, Any]) -> list[str]:
         rounds = f"{repeat} repetitions x {settings['rounds']} rounds, pooled"
     return [
         f"device: {device['kind'].upper()} {device['name']} ({device['tf_device']})",
-        f"TensorFlow {m['tensorflow_version']}, Python {m['python_version']}, "
-        f"{m['cpu_count']} CPUs, {m['platform']}",
+        (
+            f"TensorFlow {m['tensorflow_version']}, Python {m['python_version']}, "
+            f"{m['cpu_count']} CPUs, {m['platform']}"
+        ),
         f"commit {commit}, {m['date_utc']}, {m['mode']} run ({rounds})",
         f"command: {m['command']}",
     ]
@@ -171,12 +174,17 @@ def text_table(document: dict[str, Any]) -> str:
 def _goal_lines(goals: Iterable[dict[str, Any]]) -> list[str]:
     lines = []
     for g in goals:
-        measured = "not measured" if g["ratio"] is None else (
-            f"{format_ratio(g['ratio'], g['ratio_ci_95'], digits=3, unit='x')}: {_verdict(g)}"
+        measured = (
+            "not measured"
+            if g["ratio"] is None
+            else (
+                f"{format_ratio(g['ratio'], g['ratio_ci_95'], digits=3, unit='x')}: {_verdict(g)}"
+            )
         )
         others = ", ".join(
             f"{format_ratio(r, g['versus_ci_95'].get(name), unit='x')} {name}"
-            for name, r in g["versus"].items() if name != g["reference"]
+            for name, r in g["versus"].items()
+            if name != g["reference"]
         )
         lines.append(
             f"goal {g['family']}/{g['case']}: {g['variant']} over {g['reference']} "
@@ -191,8 +199,10 @@ def goal_summary(goals: Iterable[dict[str, Any]]) -> str:
     goals = list(goals)
     if not goals:
         return ""
-    counts = {v: sum(1 for g in goals if g["verdict"] == v)
-              for v in ("met", "missed", "inconclusive", "not measured")}
+    counts = {
+        v: sum(1 for g in goals if g["verdict"] == v)
+        for v in ("met", "missed", "inconclusive", "not measured")
+    }
     return "goals: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
@@ -203,15 +213,17 @@ def method_note(document: dict[str, Any]) -> str:
     repeat = settings.get("repeat", 1)
     pooled = (
         f" The {repeat} repetitions of the run were pooled: medians over all their rounds, "
-        "intervals resampling rounds within each repetition." if repeat > 1 else ""
+        "intervals resampling rounds within each repetition."
+        if repeat > 1
+        else ""
     )
     return (
         "Times are per operation; x baseline is the median over the baseline's median in "
         "the same run (A/B interleaved, order rotated every round). Brackets: "
         f"{ci['level']:.0%} confidence interval of that ratio ({ci['method']}; none with "
-        f"fewer than {ci['min_rounds']} rounds).{pooled} A goal \"<= x\" is met when the "
+        f'fewer than {ci["min_rounds"]} rounds).{pooled} A goal "<= x" is met when the '
         "interval's upper end is at or below x, missed when its lower end is above x, "
-        "and inconclusive otherwise; a goal \">= x\" is the mirror image."
+        'and inconclusive otherwise; a goal ">= x" is the mirror image.'
     )
 
 

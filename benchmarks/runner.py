@@ -97,9 +97,7 @@ def _pair(interval: tuple[float, float] | None) -> list[float] | None:
     return None if interval is None else [interval[0], interval[1]]
 
 
-def _goal(
-    case: Case, timings: Sequence[VariantTiming], family: str
-) -> dict[str, Any] | None:
+def _goal(case: Case, timings: Sequence[VariantTiming], family: str) -> dict[str, Any] | None:
     if case.goal is None:
         return None
     variant, operator, bound = goal_spec(case.goal)
@@ -156,27 +154,29 @@ def case_result(
         interval = None if index == 0 or base is None else _interval(t, base)
         if index == 0:
             interval = (1.0, 1.0)
-        variants.append({
-            "name": t.name,
-            "baseline": index == 0,
-            "calls_per_batch": t.calls_per_batch,
-            "calls_per_batch_repetitions": list(t.calls_per_batch_blocks)
-            or [t.calls_per_batch],
-            "rounds": len(t.samples),
-            "rounds_per_repetition": t.rounds,
-            "samples_s": list(t.samples),
-            "median_s": median,
-            "min_s": low,
-            "max_s": high,
-            "per_op_median_s": median / ops,
-            "per_op_min_s": low / ops,
-            "per_op_max_s": high / ops,
-            "ops_per_s": ops / median if median > 0 else 0.0,
-            "ratio_to_baseline": median / base.median if base and base.median else None,
-            "ratio_to_baseline_ci_95": _pair(interval) if base and base.median else None,
-            "extra": _jsonable(t.extra),
-            "extra_rounds": [_jsonable(e) for e in t.extra_rounds],
-        })
+        variants.append(
+            {
+                "name": t.name,
+                "baseline": index == 0,
+                "calls_per_batch": t.calls_per_batch,
+                "calls_per_batch_repetitions": list(t.calls_per_batch_blocks)
+                or [t.calls_per_batch],
+                "rounds": len(t.samples),
+                "rounds_per_repetition": t.rounds,
+                "samples_s": list(t.samples),
+                "median_s": median,
+                "min_s": low,
+                "max_s": high,
+                "per_op_median_s": median / ops,
+                "per_op_min_s": low / ops,
+                "per_op_max_s": high / ops,
+                "ops_per_s": ops / median if median > 0 else 0.0,
+                "ratio_to_baseline": median / base.median if base and base.median else None,
+                "ratio_to_baseline_ci_95": _pair(interval) if base and base.median else None,
+                "extra": _jsonable(t.extra),
+                "extra_rounds": [_jsonable(e) for e in t.extra_rounds],
+            }
+        )
     summary, trace = _failure(error) if error is not None else (None, None)
     return {
         "name": case.name,
@@ -336,8 +336,12 @@ def run_families(
                 print(f"{prefix} FAILED: {_failure(e)[0]}", file=progress, flush=True)
                 cases = []
             for index, case in enumerate(cases, 1):
-                print(f"{prefix} ({index}/{len(cases)}) {case.name} ...", end="",
-                      file=progress, flush=True)
+                print(
+                    f"{prefix} ({index}/{len(cases)}) {case.name} ...",
+                    end="",
+                    file=progress,
+                    flush=True,
+                )
                 timings, duration, error = _run_case(case, settings, clock, device_sync)
                 entry = by_case.setdefault(case.name, _CaseRuns(case))
                 entry.duration += duration

@@ -106,7 +106,8 @@ _GOAL = _obj(
             "description": "true when met, false when missed, null otherwise.",
         },
         "rounds": {
-            "type": "integer", "minimum": 0,
+            "type": "integer",
+            "minimum": 0,
             "description": "Paired rounds behind the ratio (all repetitions).",
         },
         "versus": {
@@ -128,15 +129,18 @@ _VARIANT = _obj(
         "name": _str("Variant name, e.g. 'tf.Variable', 'SafeVariable'."),
         "baseline": {"type": "boolean", "description": "Whether this is the baseline."},
         "calls_per_batch": {
-            "type": "integer", "minimum": 1,
+            "type": "integer",
+            "minimum": 1,
             "description": "Calls timed per round (first repetition).",
         },
         "calls_per_batch_repetitions": {
-            **_COUNTS, "description": "Calls timed per round, in each repetition.",
+            **_COUNTS,
+            "description": "Calls timed per round, in each repetition.",
         },
         "rounds": {"type": "integer", "minimum": 1, "description": "len(samples_s)."},
         "rounds_per_repetition": {
-            **_COUNTS, "description": "Rounds each repetition contributed to samples_s.",
+            **_COUNTS,
+            "description": "Rounds each repetition contributed to samples_s.",
         },
         "samples_s": {
             "type": "array",
@@ -181,11 +185,11 @@ _CASE = _obj(
         "ops_per_call": {"type": "integer", "minimum": 1, "description": "Work per call."},
         "baseline": {"type": ["string", "null"], "description": "Baseline variant name."},
         "repetitions": {
-            "type": "integer", "minimum": 0,
+            "type": "integer",
+            "minimum": 0,
             "description": "Repetitions pooled in the samples (0 if the case failed).",
         },
-        "duration_s": _num("Wall time spent on the case (warm-up included, all "
-                           "repetitions)."),
+        "duration_s": _num("Wall time spent on the case (warm-up included, all repetitions)."),
         "variants": {"type": "array", "items": _VARIANT, "description": "In case order."},
         "goal": {
             "anyOf": [{"type": "null"}, _GOAL],
@@ -245,11 +249,13 @@ _SETTINGS = _obj(
     "How the suite was run.",
     {
         "rounds": {
-            "type": "integer", "minimum": 1,
+            "type": "integer",
+            "minimum": 1,
             "description": "Rounds per case in each repetition.",
         },
         "repeat": {
-            "type": "integer", "minimum": 1,
+            "type": "integer",
+            "minimum": 1,
             "description": "--repeat: passes over the selected families, rounds pooled.",
         },
         "warmup_time_s": _num("Warm-up seconds per variant."),
@@ -274,12 +280,21 @@ _SETTINGS = _obj(
             {
                 "level": _num("Coverage, 0.95."),
                 "method": _str("The method, in words."),
-                "resamples": {"type": "integer", "minimum": 1,
-                              "description": "Bootstrap resamples."},
-                "seed": {"type": "integer", "minimum": 0,
-                         "description": "Seed of the resampling."},
-                "min_rounds": {"type": "integer", "minimum": 1,
-                               "description": "Fewer paired rounds give no interval."},
+                "resamples": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "Bootstrap resamples.",
+                },
+                "seed": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Seed of the resampling.",
+                },
+                "min_rounds": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "Fewer paired rounds give no interval.",
+                },
             },
         ),
     },

@@ -232,16 +232,18 @@ def pool(repetitions: Sequence[Sequence[VariantTiming]]) -> list[VariantTiming]:
     pooled = []
     for name in names:
         parts = [t for rep in repetitions for t in rep if t.name == name]
-        pooled.append(VariantTiming(
-            name=name,
-            calls_per_batch=parts[0].calls_per_batch,
-            samples=[x for t in parts for x in t.samples],
-            extra_rounds=[e for t in parts for e in t.extra_rounds],
-            blocks=[n for t in parts for n in t.rounds],
-            calls_per_batch_blocks=[
-                c for t in parts for c in (t.calls_per_batch_blocks or [t.calls_per_batch])
-            ],
-        ))
+        pooled.append(
+            VariantTiming(
+                name=name,
+                calls_per_batch=parts[0].calls_per_batch,
+                samples=[x for t in parts for x in t.samples],
+                extra_rounds=[e for t in parts for e in t.extra_rounds],
+                blocks=[n for t in parts for n in t.rounds],
+                calls_per_batch_blocks=[
+                    c for t in parts for c in (t.calls_per_batch_blocks or [t.calls_per_batch])
+                ],
+            )
+        )
     return pooled
 
 

@@ -53,8 +53,16 @@ def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def train(name: str, strategy, coordinator, x: np.ndarray, y: np.ndarray, steps: int,
-          safe: bool, max_staleness: int | None = None) -> dict:
+def train(
+    name: str,
+    strategy,
+    coordinator,
+    x: np.ndarray,
+    y: np.ndarray,
+    steps: int,
+    safe: bool,
+    max_staleness: int | None = None,
+) -> dict:
     with strategy.scope():
         make = SafeVariable if safe else tf.Variable
         w = make(tf.zeros([FEATURES, 1]), name="w")
@@ -70,8 +78,7 @@ def train(name: str, strategy, coordinator, x: np.ndarray, y: np.ndarray, steps:
         def replica():
             # The version first: the parameters the gradients use are read after it.
             version = tf.convert_to_tensor(optimizer.iterations)
-            rows = tf.random.stateless_uniform([BATCH], tf.stack([seed, 0]), 0, EXAMPLES,
-                                               tf.int32)
+            rows = tf.random.stateless_uniform([BATCH], tf.stack([seed, 0]), 0, EXAMPLES, tf.int32)
             with tf.control_dependencies([version]), tf.GradientTape() as tape:
                 prediction = tf.matmul(tf.gather(xs, rows), w) + b
                 loss = tf.reduce_mean((prediction - tf.gather(ys, rows)) ** 2)
@@ -95,9 +102,14 @@ def train(name: str, strategy, coordinator, x: np.ndarray, y: np.ndarray, steps:
     dropped = stats.dropped_stale if safe else 0
     loss = float(np.mean((x @ w.numpy() + b.numpy() - y) ** 2))
     return {
-        "name": name, "scheduled": steps, "iterations": iterations, "dropped": dropped,
-        "lost": steps - iterations - dropped, "examples": int(examples.numpy()),
-        "loss": loss, "statistics": stats,
+        "name": name,
+        "scheduled": steps,
+        "iterations": iterations,
+        "dropped": dropped,
+        "lost": steps - iterations - dropped,
+        "examples": int(examples.numpy()),
+        "loss": loss,
+        "statistics": stats,
         "version": int(w.version) if safe else None,
     }
 
@@ -115,23 +127,40 @@ def main() -> None:
     rows = [
         train("plain", strategy, coordinator, x, y, args.steps, safe=False),
         train("safevars", strategy, coordinator, x, y, args.steps, safe=True),
-        train("safevars max_staleness=0", strategy, coordinator, x, y, args.steps,
-              safe=True, max_staleness=0),
+        train(
+            "safevars max_staleness=0",
+            strategy,
+            coordinator,
+            x,
+            y,
+            args.steps,
+            safe=True,
+            max_staleness=0,
+        ),
     ]
-    print(f"Asynchronous parameter-server training: {args.workers} workers, 1 PS, "
-          f"{args.steps} scheduled steps of {BATCH} examples, linear regression "
-          f"({FEATURES} features, {EXAMPLES} examples)")
-    print(f"{'run':<25} {'scheduled':>9} {'iterations':>10} {'dropped':>7} {'lost':>5} "
-          f"{'examples':>8} {'loss':>8}")
+    print(
+        f"Asynchronous parameter-server training: {args.workers} workers, 1 PS, "
+        f"{args.steps} scheduled steps of {BATCH} examples, linear regression "
+        f"({FEATURES} features, {EXAMPLES} examples)"
+    )
+    print(
+        f"{'run':<25} {'scheduled':>9} {'iterations':>10} {'dropped':>7} {'lost':>5} "
+        f"{'examples':>8} {'loss':>8}"
+    )
     for r in rows:
-        print(f"{r['name']:<25} {r['scheduled']:>9} {r['iterations']:>10} {r['dropped']:>7} "
-              f"{r['lost']:>5} {r['examples']:>8} {r['loss']:>8.4f}")
-    print(f"examples: the examples-seen counter; every run scheduled "
-          f"{args.steps * BATCH} examples.")
+        print(
+            f"{r['name']:<25} {r['scheduled']:>9} {r['iterations']:>10} {r['dropped']:>7} "
+            f"{r['lost']:>5} {r['examples']:>8} {r['loss']:>8.4f}"
+        )
+    print(
+        f"examples: the examples-seen counter; every run scheduled {args.steps * BATCH} examples."
+    )
     for r in rows[1:]:
         s = r["statistics"]
-        print(f"{r['name']}: w.version {r['version']}, calls {s.calls}, applied "
-              f"{s.applied}, dropped_stale {s.dropped_stale}")
+        print(
+            f"{r['name']}: w.version {r['version']}, calls {s.calls}, applied "
+            f"{s.applied}, dropped_stale {s.dropped_stale}"
+        )
 
 
 if __name__ == "__main__":

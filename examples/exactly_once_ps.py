@@ -87,7 +87,8 @@ def run(strategy, coordinator, steps: int, once: bool) -> dict:
     coordinator.join()
     return {
         "done": sum(finished(r) for r in results.values()),
-        "counter": int(counter.numpy()), "seen": int(seen.numpy()),
+        "counter": int(counter.numpy()),
+        "seen": int(seen.numpy()),
         "discarded": counter.statistics().duplicates_discarded,
     }
 
@@ -98,7 +99,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        start_in_process_cluster(args.workers, 1))
+        start_in_process_cluster(args.workers, 1)
+    )
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     rows = []
     for name, once in (("plain", False), ("exactly_once", True)):

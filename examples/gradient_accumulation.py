@@ -43,11 +43,13 @@ def make_data(workers: int) -> tuple[np.ndarray, np.ndarray]:
 
 def make_model() -> keras.Model:
     keras.utils.set_random_seed(1)
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(CLASSES),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
 
 
 def train(workers: int, steps: int, jitter_seed: int) -> dict:
@@ -73,8 +75,8 @@ def train(workers: int, steps: int, jitter_seed: int) -> dict:
 
     def worker(index: int) -> None:
         rng = random.Random(jitter_seed * 1000 + index)
-        xb = tf.constant(x[index * MICRO_BATCH:(index + 1) * MICRO_BATCH])
-        yb = tf.constant(y[index * MICRO_BATCH:(index + 1) * MICRO_BATCH])
+        xb = tf.constant(x[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        yb = tf.constant(y[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
         try:
             for step in range(steps):
                 start.wait(timeout=60)
@@ -92,7 +94,7 @@ def train(workers: int, steps: int, jitter_seed: int) -> dict:
     for t in threads:
         t.start()
     losses, first_step = [], None
-    for step in range(steps):
+    for _ in range(steps):
         losses.append(float(loss_fn(y, model(x))))
         start.wait(timeout=60)
         mean = acc.take(timeout=60)
@@ -122,8 +124,10 @@ def main() -> None:
     runs = [train(args.workers, args.steps, jitter_seed=seed) for seed in (1, 2)]
     for n, run in enumerate(runs, 1):
         orders = {tuple(order) for order in run["arrivals"]}
-        print(f"run {n}: loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}, "
-              f"{len(orders)} distinct arrival orders over {args.steps} steps")
+        print(
+            f"run {n}: loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}, "
+            f"{len(orders)} distinct arrival orders over {args.steps} steps"
+        )
         print(f"run {n}: {run['statistics']}")
     differing = sum(a != b for a, b in zip(runs[0]["arrivals"], runs[1]["arrivals"]))
     identical = all(
@@ -131,8 +135,10 @@ def main() -> None:
     )
     print(f"steps whose arrival order differed between the runs: {differing}")
     print(f"final weights bitwise identical across runs: {identical}")
-    print(f"first step: accumulated mean vs full-batch gradient, max |diff| = "
-          f"{runs[0]['full_batch_gap']:.2e}")
+    print(
+        f"first step: accumulated mean vs full-batch gradient, max |diff| = "
+        f"{runs[0]['full_batch_gap']:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def loss_and_accuracy(w, b, x, y) -> tuple[float, float]:
     return float(loss), float(accuracy)
 
 
-def train(name, optimizer: ProbedSGD, threads: int, steps: int, x, y,
-          pass_versions: bool = False) -> dict:
+def train(
+    name, optimizer: ProbedSGD, threads: int, steps: int, x, y, pass_versions: bool = False
+) -> dict:
     w = tf.Variable(tf.zeros([FEATURES]), name="w")
     b = tf.Variable(0.0, name="b")
     # Build before the threads start: a plain Keras optimizer built by concurrent first
@@ -152,26 +153,42 @@ def main() -> None:
     rows = [
         train("plain SGD(momentum)", sgd(), args.threads, args.steps, x, y),
         train("SafeOptimizer(SGD)", SafeOptimizer(sgd()), args.threads, args.steps, x, y),
-        train("SafeOptimizer(SGD, scale)",
-              SafeOptimizer(sgd(), max_staleness=1, on_stale="scale"),
-              args.threads, args.steps, x, y, pass_versions=True),
+        train(
+            "SafeOptimizer(SGD, scale)",
+            SafeOptimizer(sgd(), max_staleness=1, on_stale="scale"),
+            args.threads,
+            args.steps,
+            x,
+            y,
+            pass_versions=True,
+        ),
     ]
-    print(f"Hogwild-style asynchronous SGD: {args.threads} workers x {args.steps} steps, "
-          f"logistic regression ({FEATURES} features, {EXAMPLES} examples)")
-    header = (f"{'optimizer':<27} {'calls':>6} {'iterations':>10} {'counted':>8} "
-              f"{'lost':>5} {'overlapping':>11} {'loss':>7} {'accuracy':>8}")
+    print(
+        f"Hogwild-style asynchronous SGD: {args.threads} workers x {args.steps} steps, "
+        f"logistic regression ({FEATURES} features, {EXAMPLES} examples)"
+    )
+    header = (
+        f"{'optimizer':<27} {'calls':>6} {'iterations':>10} {'counted':>8} "
+        f"{'lost':>5} {'overlapping':>11} {'loss':>7} {'accuracy':>8}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['name']:<27} {r['calls']:>6} {r['iterations']:>10} {r['counted']:>8} "
-              f"{r['lost']:>5} {r['overlapping']:>11} {r['loss']:>7.4f} "
-              f"{r['accuracy']:>8.3f}")
+        print(
+            f"{r['name']:<27} {r['calls']:>6} {r['iterations']:>10} {r['counted']:>8} "
+            f"{r['lost']:>5} {r['overlapping']:>11} {r['loss']:>7.4f} "
+            f"{r['accuracy']:>8.3f}"
+        )
     for r in rows[1:]:
         s = r["statistics"]
-        print(f"{r['name']}: w.version {r['version']}, calls {s.calls}, applied "
-              f"{s.applied}, scaled_stale {s.scaled_stale}, dropped_stale {s.dropped_stale}")
-    print("lost = calls - counted: increments of the optimizer's own read-then-assign "
-          "counter that concurrent calls overwrote; overlapping = apply calls that "
-          "started while another was running.")
+        print(
+            f"{r['name']}: w.version {r['version']}, calls {s.calls}, applied "
+            f"{s.applied}, scaled_stale {s.scaled_stale}, dropped_stale {s.dropped_stale}"
+        )
+    print(
+        "lost = calls - counted: increments of the optimizer's own read-then-assign "
+        "counter that concurrent calls overwrote; overlapping = apply calls that "
+        "started while another was running."
+    )
 
 
 if __name__ == "__main__":

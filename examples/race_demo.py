@@ -64,8 +64,10 @@ def main() -> None:
             with safevars.locked(locked):
                 locked.assign(locked.read_value() + 1.0)
 
-    print(f"{args.threads} threads x {args.iterations} read-then-assign increments "
-          f"(expected {expected})")
+    print(
+        f"{args.threads} threads x {args.iterations} read-then-assign increments "
+        f"(expected {expected})"
+    )
     for label, variable, work in [
         ("plain tf.Variable", plain, plain_work),
         ("SafeVariable.update", safe, safe_update_work),
@@ -74,9 +76,13 @@ def main() -> None:
         seconds = hammer(args.threads, work)
         final = int(variable.numpy())
         lost = expected - final
-        extra = f", version {variable.version}" if isinstance(variable, safevars.SafeVariable) else ""
-        print(f"{label:22s} final {final:6d}  lost {lost:6d} ({100.0 * lost / expected:5.1f}%)"
-              f"  {seconds:5.2f} s{extra}")
+        extra = (
+            f", version {variable.version}" if isinstance(variable, safevars.SafeVariable) else ""
+        )
+        print(
+            f"{label:22s} final {final:6d}  lost {lost:6d} ({100.0 * lost / expected:5.1f}%)"
+            f"  {seconds:5.2f} s{extra}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 _cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
-)
+tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 
@@ -84,8 +82,10 @@ def main() -> None:
         tf.train.Checkpoint(rng=restored).read(path).assert_consumed()
         restored_step = noise_step(restored)
         resumed = restored_step() + restored_step()
-    print(f"restored run continues exactly: "
-          f"{all(np.array_equal(a, b) for a, b in zip(expected, resumed))}")
+    print(
+        f"restored run continues exactly: "
+        f"{all(np.array_equal(a, b) for a, b in zip(expected, resumed))}"
+    )
 
     # 4. Keras: per-replica dropout masks.
     with strategy.scope():

@@ -38,13 +38,19 @@ BEFORE_CRASH = PER_SHARD + 4  # all of epoch 0, then 4 elements of epoch 1
 
 def lost_and_duplicated(epoch: list[int]) -> tuple[int, int]:
     counts = collections.Counter(epoch)
-    return (sum(1 for i in range(N) if counts[i] == 0),
-            sum(c - 1 for c in counts.values() if c > 1))
+    return (
+        sum(1 for i in range(N) if counts[i] == 0),
+        sum(c - 1 for c in counts.values() if c > 1),
+    )
 
 
 def plain(worker: int, seed: int) -> tf.data.Dataset:
-    return (tf.data.Dataset.range(N).shard(WORKERS, worker)
-            .shuffle(PER_SHARD, seed=seed, reshuffle_each_iteration=True).repeat())
+    return (
+        tf.data.Dataset.range(N)
+        .shard(WORKERS, worker)
+        .shuffle(PER_SHARD, seed=seed, reshuffle_each_iteration=True)
+        .repeat()
+    )
 
 
 def plain_epoch_1(seed: int, restart_seed: int, resume: str) -> list[int]:
@@ -76,11 +82,15 @@ def main() -> None:
     args = parser.parse_args()
 
     restart_at_epoch_start = plain_epoch_1(args.seed, args.seed, "epoch start")
-    print("plain shard().shuffle(), restarted at the epoch start: lost %d, duplicated %d"
-          % lost_and_duplicated(restart_at_epoch_start))
+    print(
+        "plain shard().shuffle(), restarted at the epoch start: lost %d, duplicated %d"
+        % lost_and_duplicated(restart_at_epoch_start)
+    )
     other_seed = plain_epoch_1(args.seed, args.seed + 1, "skip")
-    print("plain shard().shuffle(), another seed after the restart, skip(): lost %d, "
-          "duplicated %d" % lost_and_duplicated(other_seed))
+    print(
+        "plain shard().shuffle(), another seed after the restart, skip(): lost %d, "
+        "duplicated %d" % lost_and_duplicated(other_seed)
+    )
 
     def make() -> ShardedInput:
         return ShardedInput(N, seed=args.seed, num_workers=WORKERS)
@@ -94,15 +104,20 @@ def main() -> None:
         del data  # the job dies
         restarted = make()
         tf.train.Checkpoint(data=restarted).read(path).assert_consumed()
-        print("restored positions (epoch, offset):",
-              [restarted.position(w) for w in range(WORKERS)])
+        print(
+            "restored positions (epoch, offset):", [restarted.position(w) for w in range(WORKERS)]
+        )
         after = [read(restarted, w, PER_SHARD - 4) for w in range(WORKERS)]
     epoch_1 = [i for w in range(WORKERS) for i in before[w][PER_SHARD:] + after[w]]
-    print("safevars ShardedInput, restarted from the checkpoint: lost %d, duplicated %d"
-          % lost_and_duplicated(epoch_1))
+    print(
+        "safevars ShardedInput, restarted from the checkpoint: lost %d, duplicated %d"
+        % lost_and_duplicated(epoch_1)
+    )
     print("epoch 1 is every element exactly once:", sorted(epoch_1) == list(range(N)))
-    print("restarted run continues exactly:",
-          [before[w] + after[w] for w in range(WORKERS)] == reference)
+    print(
+        "restarted run continues exactly:",
+        [before[w] + after[w] for w in range(WORKERS)] == reference,
+    )
     epoch_0 = [reference[w][:PER_SHARD] for w in range(WORKERS)]
     print("shards are disjoint:", not set(epoch_0[0]) & set(epoch_0[1]))
     print("epoch 1 is reshuffled:", [r[PER_SHARD:] for r in reference] != epoch_0)

@@ -84,9 +84,18 @@ def test_locked_increment_passes():
 
 def test_audit_demo_runs_and_reports_the_race():
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "audit_demo.py"), "--threads", "3",
-         "--iterations", "5"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "audit_demo.py"),
+            "--threads",
+            "3",
+            "--iterations",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     plain, fixed = out.split("--- SafeVariable.update")
     assert "1 race(s) found" in plain and "lost update on 'counter:0'" in plain, out

@@ -13,9 +13,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_gradient_accumulation_example():
     workers, steps = 3, 12
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "gradient_accumulation.py"),
-         "--workers", str(workers), "--steps", str(steps)],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "gradient_accumulation.py"),
+            "--workers",
+            str(workers),
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     assert "final weights bitwise identical across runs: True" in out, out
     losses = [tuple(map(float, m)) for m in re.findall(r"loss ([\d.]+) -> ([\d.]+)", out)]

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROW = re.compile(r"^(plain|safevars.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s+(\d+)\s+([\d.]+)$",
-                 re.M)
+ROW = re.compile(
+    r"^(plain|safevars.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s+(\d+)\s+([\d.]+)$", re.M
+)
 BATCH = 64
 
 
@@ -17,15 +18,30 @@ def test_async_ps_training_safevars_loses_nothing():
     steps = 45
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "async_ps_training.py"), "--workers", "3",
-         "--steps", str(steps)],
-        capture_output=True, text=True, timeout=120, check=True, env=env,
+        [
+            sys.executable,
+            os.path.join(HERE, "async_ps_training.py"),
+            "--workers",
+            "3",
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=env,
     ).stdout
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {"plain", "safevars", "safevars max_staleness=0"}, out
     scheduled, iterations, dropped, lost, examples, loss = rows["safevars"]
     assert (scheduled, iterations, dropped, lost, examples) == (
-        steps, steps, 0, 0, steps * BATCH), out
+        steps,
+        steps,
+        0,
+        0,
+        steps * BATCH,
+    ), out
     scheduled, iterations, dropped, lost, examples, loss = rows["safevars max_staleness=0"]
     assert scheduled == steps and lost == 0 and iterations + dropped == steps, out
     assert iterations >= 1 and examples == steps * BATCH, out
@@ -34,5 +50,7 @@ def test_async_ps_training_safevars_loses_nothing():
     assert scheduled == steps and 0 <= lost < steps and examples <= steps * BATCH, out
     assert f"safevars: w.version {steps}, calls {steps}, applied {steps}, dropped_stale 0" in out
     applied = int(rows["safevars max_staleness=0"][1])
-    assert (f"safevars max_staleness=0: w.version {applied}, calls {steps}, applied "
-            f"{applied}, dropped_stale {steps - applied}") in out
+    assert (
+        f"safevars max_staleness=0: w.version {applied}, calls {steps}, applied "
+        f"{applied}, dropped_stale {steps - applied}"
+    ) in out

@@ -22,18 +22,27 @@ def test_sharded_input_example_restarts_exactly():
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "sharded_input.py")],
-        capture_output=True, text=True, timeout=TIMEOUT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     results = dict(re.findall(r"^(.+?): (True|False)$", out, re.M))
     assert {check: results.get(check) for check in CHECKS} == dict.fromkeys(CHECKS, "True"), out
-    counts = {name: (int(lost), int(duplicated)) for name, lost, duplicated in re.findall(
-        r"^(.+?): lost (\d+), duplicated (\d+)$", out, re.M)}
+    counts = {
+        name: (int(lost), int(duplicated))
+        for name, lost, duplicated in re.findall(
+            r"^(.+?): lost (\d+), duplicated (\d+)$", out, re.M
+        )
+    }
     # 4 elements of epoch 1 per worker were read before the crash: read again.
     assert counts.pop("plain shard().shuffle(), restarted at the epoch start") == (0, 8), out
     # skip() passes over other elements than those read: as many lost as repeated.
-    lost, duplicated = counts.pop("plain shard().shuffle(), another seed after the restart, skip()")
+    lost, duplicated = counts.pop(
+        "plain shard().shuffle(), another seed after the restart, skip()"
+    )
     assert lost == duplicated > 0, out
     assert counts == {"safevars ShardedInput, restarted from the checkpoint": (0, 0)}, out
     assert "restored positions (epoch, offset): [(1, 4), (1, 4)]" in out

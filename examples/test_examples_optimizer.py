@@ -16,13 +16,24 @@ ROW = re.compile(
 def test_hogwild_sgd_safe_optimizer_loses_nothing():
     threads, steps = 4, 40
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "hogwild_sgd.py"), "--threads", str(threads),
-         "--steps", str(steps)],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "hogwild_sgd.py"),
+            "--threads",
+            str(threads),
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {
-        "plain SGD(momentum)", "SafeOptimizer(SGD)", "SafeOptimizer(SGD, scale)"
+        "plain SGD(momentum)",
+        "SafeOptimizer(SGD)",
+        "SafeOptimizer(SGD, scale)",
     }, out
     calls = threads * steps
     for name in ("SafeOptimizer(SGD)", "SafeOptimizer(SGD, scale)"):

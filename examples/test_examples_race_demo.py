@@ -12,9 +12,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_race_demo_safevars_lose_nothing():
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "race_demo.py"), "--threads", "4",
-         "--iterations", "300"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            os.path.join(HERE, "race_demo.py"),
+            "--threads",
+            "4",
+            "--iterations",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     ).stdout
     rows = dict(re.findall(r"^(\S.*?)\s+final\s+\d+\s+lost\s+(-?\d+)", out, re.M))
     assert set(rows) == {"plain tf.Variable", "SafeVariable.update", "safevars.locked"}, out

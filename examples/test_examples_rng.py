@@ -24,7 +24,10 @@ def test_replica_rng_example_checks_hold():
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "replica_rng.py"), "--seed", "4321"],
-        capture_output=True, text=True, timeout=TIMEOUT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

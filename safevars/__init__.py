@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulatorStatistics",
-    "AuditReport",
     "AccumulatorTimeoutError",
+    "AuditReport",
     "DTypeMismatchError",
     "GradientAccumulator",
     "HeldLock",
@@ -50,9 +50,9 @@ __all__ = [
     "RaceDetectedError",
     "ReplicaRNG",
     "ReplicaStream",
-    "SafeVarsError",
     "SafeOptimizer",
     "SafeVariable",
+    "SafeVarsError",
     "ShapeMismatchError",
     "ShardedInput",
     "Snapshot",

@@ -174,8 +174,12 @@ def check_int(value: Any, argument: str, minimum: int) -> None:
 
 
 def check_settings(
-    accumulate_steps: Any, max_staleness: Any, on_stale: Any, nonfinite: Any,
-    deterministic: Any, kwargs: dict[str, Any],
+    accumulate_steps: Any,
+    max_staleness: Any,
+    on_stale: Any,
+    nonfinite: Any,
+    deterministic: Any,
+    kwargs: dict[str, Any],
 ) -> None:
     """Checks SafeOptimizer's own arguments (nothing is changed before they pass)."""
     check_int(accumulate_steps, "accumulate_steps", minimum=1)
@@ -248,9 +252,13 @@ def check_gradient(grad: Any, variable: Any, where: str) -> Any:
                 f"{where}: the gradient's values have dtype {values.dtype.name}; "
                 "gradients must be floating point."
             )
-        if shape.rank is not None and values.shape.rank is not None and (
-            values.shape.rank != shape.rank
-            or not values.shape[1:].is_compatible_with(shape[1:])
+        if (
+            shape.rank is not None
+            and values.shape.rank is not None
+            and (
+                values.shape.rank != shape.rank
+                or not values.shape[1:].is_compatible_with(shape[1:])
+            )
         ):
             raise ShapeMismatchError(
                 f"{where}: the IndexedSlices gradient has values of shape "
@@ -291,8 +299,8 @@ def _version_value(value: Any, where: str) -> Any:
         if value < 0:
             raise InvalidArgumentError(f"{where} must be >= 0, got {value}.")
         return int(value)
-    if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)) or (
-        isinstance(value, tf.distribute.DistributedValues)
+    if isinstance(
+        value, (tf.Tensor, tf.Variable, keras.Variable, tf.distribute.DistributedValues)
     ):
         dtype = tf.as_dtype(value.dtype)
         if not dtype.is_integer or (value.shape.rank not in (None, 0)):
@@ -304,8 +312,7 @@ def _version_value(value: Any, where: str) -> Any:
             return _version_value(int(numpy_of(value)), where)
         return tf.cast(value, tf.int64)
     raise InvalidArgumentError(
-        f"{where} must be an int, an integer tensor or a safevars.Snapshot, got "
-        f"{short(value)}."
+        f"{where} must be an int, an integer tensor or a safevars.Snapshot, got {short(value)}."
     )
 
 

@@ -22,15 +22,15 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable, variab
 
 __all__ = [
     "ConcreteFunction",
-    "checkpoint_entry_points",
-    "executing_eagerly",
     "FallbackException",
     "NotOkStatusException",
     "ResourceVariable",
+    "checkpoint_entry_points",
     "colocate_with",
     "consume_mutex_lock",
     "default_graph",
     "eager_context",
+    "executing_eagerly",
     "fast_execute",
     "in_xla_context",
     "mutex_lock",

@@ -344,16 +344,20 @@ class GradientAccumulator(tf.Module):
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
                 self._state = resource_variable_ops.ResourceVariable(
-                    tf.zeros([rows, self._size], tf.float32), trainable=False,
-                    name=f"{prefix}_rows", shape=tf.TensorShape(None),
+                    tf.zeros([rows, self._size], tf.float32),
+                    trainable=False,
+                    name=f"{prefix}_rows",
+                    shape=tf.TensorShape(None),
                 )
             else:
                 self._state = resource_variable_ops.ResourceVariable(
-                    tf.zeros([self._size], self._sum_dtype), trainable=False,
+                    tf.zeros([self._size], self._sum_dtype),
+                    trainable=False,
                     name=f"{prefix}_sum",
                 )
             self._counters = resource_variable_ops.ResourceVariable(
-                tf.zeros([_NUM_COUNTERS], tf.int64), trainable=False,
+                tf.zeros([_NUM_COUNTERS], tf.int64),
+                trainable=False,
                 name=f"{prefix}_counters",
             )
             self._guard = Guard(self._state)
@@ -364,17 +368,16 @@ class GradientAccumulator(tf.Module):
         self._arrived = threading.Condition()
         self._arrivals = 0
         helpers = self._helpers
-        helpers.prepare = tf.function(
-            self._prepare_math, autograph=False, reduce_retracing=True
-        )
-        helpers.finish = tf.function(
-            self._finish_math, autograph=False, reduce_retracing=True
-        )
+        helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
+        helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
         if deterministic:
             helpers.reduce = tf.function(
-                self._reduce_math, autograph=False, jit_compile=True,
+                self._reduce_math,
+                autograph=False,
+                jit_compile=True,
                 input_signature=[
-                    tf.TensorSpec([None, 0], tf.float32), tf.TensorSpec([], tf.int64)
+                    tf.TensorSpec([None, 0], tf.float32),
+                    tf.TensorSpec([], tf.int64),
                 ],
             )
 
@@ -528,7 +531,7 @@ class GradientAccumulator(tf.Module):
         except tf.errors.InvalidArgumentError as e:
             for marker, error in _RUNTIME_ERRORS:
                 if marker in e.message:
-                    text = e.message[e.message.index(marker) + len(marker):]
+                    text = e.message[e.message.index(marker) + len(marker) :]
                     raise error(
                         f"{text.split(chr(10))[0].strip(' :')} (checked on the "
                         f"parameter server; nothing of the call took effect)."
@@ -588,9 +591,7 @@ class GradientAccumulator(tf.Module):
             # This worker holds only its own replicas' values: add them in replica
             # context, where every worker's are gathered.
             with owner.scope():
-                counts = owner.run(
-                    lambda g, v: self.add(g, version=v), args=(gradients, version)
-                )
+                counts = owner.run(lambda g, v: self.add(g, version=v), args=(gradients, version))
             return owner.experimental_local_results(counts)[0]
         return self._commit([self._prepare(g, version) for g in _per_replica(gradients)])
 
@@ -638,7 +639,7 @@ class GradientAccumulator(tf.Module):
             # Every local replica holds the same gathered tensors: use the first's.
             small, values, *rest = [strategy.experimental_local_results(x)[0] for x in gathered]
             elements = rest[0] if rest else None
-            in_range = tf.cast(small[:, 1:1 + sparse], tf.bool) if sparse else None
+            in_range = tf.cast(small[:, 1 : 1 + sparse], tf.bool) if sparse else None
             elements, values, finite = self._check(
                 entries, elements, values, tf.cast(small[:, 0], tf.bool), in_range
             )
@@ -653,9 +654,14 @@ class GradientAccumulator(tf.Module):
                 element_parts = [None] * replicas
             eager = tf.executing_eagerly()
             table = small.numpy() if eager else small
-            finite_flags = finite if finite is True else (
-                [bool(f) for f in np.asarray(finite).tolist()] if eager
-                else tf.unstack(finite, num=replicas)
+            finite_flags = (
+                finite
+                if finite is True
+                else (
+                    [bool(f) for f in np.asarray(finite).tolist()]
+                    if eager
+                    else tf.unstack(finite, num=replicas)
+                )
             )
             parts = []
             for r in range(replicas):
@@ -668,11 +674,15 @@ class GradientAccumulator(tf.Module):
                     version_r = row[0]
                 else:
                     version_r = None
-                parts.append(_Part(
-                    element_parts[r], value_parts[r],
-                    True if finite_flags is True else finite_flags[r],
-                    part.version_kind, version_r,
-                ))
+                parts.append(
+                    _Part(
+                        element_parts[r],
+                        value_parts[r],
+                        True if finite_flags is True else finite_flags[r],
+                        part.version_kind,
+                        version_r,
+                    )
+                )
             return self._commit(parts)
 
         return ctx.merge_call(merge, args=(tuple(gathered),))
@@ -737,8 +747,12 @@ class GradientAccumulator(tf.Module):
             else:
                 check = tf.debugging.Assert(
                     tf.reduce_all(in_range),
-                    ["safevars InvalidArgumentError: a tf.IndexedSlices gradient has "
-                     "indices outside its variable's first dimension."],
+                    [
+                        (
+                            "safevars InvalidArgumentError: a tf.IndexedSlices gradient has "
+                            "indices outside its variable's first dimension."
+                        )
+                    ],
                 )
                 elements, values = _after(check, (elements, values))
         if self._nonfinite == "propagate":
@@ -756,8 +770,12 @@ class GradientAccumulator(tf.Module):
         if self._nonfinite == "raise":
             check = tf.debugging.Assert(
                 tf.reduce_all(finite),
-                ["safevars NonFiniteGradientError: a gradient holds NaN or Inf "
-                 "(nonfinite='raise'); nothing was accumulated."],
+                [
+                    (
+                        "safevars NonFiniteGradientError: a gradient holds NaN or Inf "
+                        "(nonfinite='raise'); nothing was accumulated."
+                    )
+                ],
             )
             elements, values = _after(check, (elements, values))
             return elements, values, True
@@ -811,8 +829,10 @@ class GradientAccumulator(tf.Module):
             indices = tf.convert_to_tensor(gradient.indices)
         except (TypeError, ValueError):
             indices = None
-        if indices is None or indices.dtype not in (tf.int32, tf.int64) or (
-            indices.shape.rank is not None and indices.shape.rank != 1
+        if (
+            indices is None
+            or indices.dtype not in (tf.int32, tf.int64)
+            or (indices.shape.rank is not None and indices.shape.rank != 1)
         ):
             raise InvalidArgumentError(
                 f"the tf.IndexedSlices gradient for {slot.name!r} needs 1-D int32/int64 "
@@ -921,9 +941,11 @@ class GradientAccumulator(tf.Module):
             # The lock waits for every tensor of the contributions (after=parts).
             return graph_section([self._guard], lambda: self._commit_body(parts), parts)
         if self._remote:
-            accepted = int(self._run_remote(
-                "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
-            ))
+            accepted = int(
+                self._run_remote(
+                    "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
+                )
+            )
         else:
             with hold([self._guard]):
                 accepted = self._commit_body(parts)
@@ -952,12 +974,20 @@ class GradientAccumulator(tf.Module):
                         "from the current parameters, or use on_stale='drop'/'scale'."
                     )
                 if not eager:
-                    checks.append(tf.debugging.Assert(
-                        tf.logical_not(stale),
-                        ["safevars StaleGradientError: gradients older than "
-                         "max_staleness =", self._max_staleness, "versions; staleness:",
-                         staleness],
-                    ))
+                    checks.append(
+                        tf.debugging.Assert(
+                            tf.logical_not(stale),
+                            [
+                                (
+                                    "safevars StaleGradientError: gradients older than "
+                                    "max_staleness ="
+                                ),
+                                self._max_staleness,
+                                "versions; staleness:",
+                                staleness,
+                            ],
+                        )
+                    )
                 stale = False
             finite = part.finite
             drop = stale if self._on_stale == "drop" else False
@@ -988,10 +1018,7 @@ class GradientAccumulator(tf.Module):
             return None
         if part.version_kind == "int":
             return _clamp_lag(self._version_now(), part.version)
-        lags = [
-            _clamp_lag(self._slots[i].guard.version(), v)
-            for i, v in enumerate(part.version)
-        ]
+        lags = [_clamp_lag(self._slots[i].guard.version(), v) for i, v in enumerate(part.version)]
         if all(isinstance(x, int) for x in lags):
             return max(lags)
         return tf.reduce_max(tf.stack([tf.cast(x, tf.int64) for x in lags]))
@@ -1042,9 +1069,7 @@ class GradientAccumulator(tf.Module):
             if pending + count > capacity:
                 self._grow(capacity, pending + count)
             positions = tf.range(pending, pending + count, dtype=tf.int64)
-            gen_resource_variable_ops.resource_scatter_update(
-                self._state.handle, positions, block
-            )
+            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
             return
         pending = self._counters[_PENDING]
         capacity = self._rows_shape()[0]
@@ -1057,9 +1082,7 @@ class GradientAccumulator(tf.Module):
         grown = tf.cond(needed > capacity, grow, lambda: tf.constant(False))
         with tf.control_dependencies([grown]):
             positions = pending + tf.range(count, dtype=tf.int64)
-            gen_resource_variable_ops.resource_scatter_update(
-                self._state.handle, positions, block
-            )
+            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
 
     def _rows_shape(self) -> tf.Tensor:
         """The state's shape (int64), without reading it.
@@ -1222,20 +1245,21 @@ class GradientAccumulator(tf.Module):
             pending = tf.cast(pending, tf.int64)
             shape = tf.gather(_marker_shapes(), tf.minimum(pending, _MARKER_TABLE))
         else:
-            count = int(tf.get_static_value(pending)) if isinstance(
-                pending, tf.Tensor) else int(pending)
+            count = (
+                int(tf.get_static_value(pending))
+                if isinstance(pending, tf.Tensor)
+                else int(pending)
+            )
             shape = _marker_shapes()[min(count, _MARKER_TABLE)]
             pending = tf.constant(count, tf.int64)
         return self._helpers.reduce(tf.zeros(shape, tf.float32), pending)
 
     def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tuple[tf.Tensor, ...]:
         buffer = tf.reshape(self._state.read_value(), [-1, self._size])
-        rows = buffer[:tf.shape(marker)[0]]  # or fewer, if the buffer is smaller
+        rows = buffer[: tf.shape(marker)[0]]  # or fewer, if the buffer is smaller
         return self._split(_reproducible_sum(rows, count), count)
 
-    def _take_graph(
-        self, conditional: bool, required: int | None = None
-    ) -> tuple[tf.Tensor, Any]:
+    def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
         if required is None:
             required = self._num_required or (1 if conditional else 0)
 
@@ -1244,19 +1268,23 @@ class GradientAccumulator(tf.Module):
             ready = pending >= max(required, 1) if conditional else tf.constant(True)
             checks = []
             if required and not conditional:
-                checks.append(tf.debugging.Assert(
-                    pending >= required,
-                    ["safevars AccumulatorTimeoutError: take() inside a tf.function found",
-                     pending, "contributions pending but num_required =", required,
-                     "; they are kept."],
-                ))
+                checks.append(
+                    tf.debugging.Assert(
+                        pending >= required,
+                        [
+                            "safevars AccumulatorTimeoutError: take() inside a tf.function found",
+                            pending,
+                            "contributions pending but num_required =",
+                            required,
+                            "; they are kept.",
+                        ],
+                    )
+                )
             with tf.control_dependencies(checks):
                 if not self._deterministic:
                     state = self._state.read_value()
                 elif conditional:
-                    state = tf.cond(
-                        ready, lambda: self._reduce_rows(pending), self._zeros
-                    )
+                    state = tf.cond(ready, lambda: self._reduce_rows(pending), self._zeros)
                 else:
                     state = self._reduce_rows(pending)
 
@@ -1319,13 +1347,13 @@ class GradientAccumulator(tf.Module):
             total = tf.cast(total, dtypes.pop())
         out = []
         for slot in self._slots:
-            piece = total[slot.offset:slot.offset + slot.size]
+            piece = total[slot.offset : slot.offset + slot.size]
             out.append(tf.reshape(tf.cast(piece, slot.dtype), slot.shape))
         return tuple(out)
 
     # ------------------------------------------------------------------ reset
 
-    def reset(self) -> None | tf.Operation:
+    def reset(self) -> tf.Operation | None:
         """Discards every pending contribution (counted in ``statistics().discarded``).
 
         Returns:
@@ -1366,7 +1394,7 @@ class GradientAccumulator(tf.Module):
 # ---------------------------------------------------------------------- reproducible sum
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _marker_shapes_array() -> np.ndarray:
     shapes = [[1 << (max(i, _GROUP) - 1).bit_length(), 0] for i in range(_MARKER_TABLE)]
     return np.array(shapes + [[2**30, 0]], np.int32)  # 2**30: the whole buffer
@@ -1418,7 +1446,8 @@ def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
     # [2**-160, 2**128]: below for zeros, above for Inf/NaN.
     unit = tf.clip_by_value(
         tf.bitwise.bitwise_and(tf.bitcast(biggest, tf.int64), _EXPONENT_FIELD),
-        _POWER_BITS * (1023 - 160), _POWER_BITS * (1023 + 128),
+        _POWER_BITS * (1023 - 160),
+        _POWER_BITS * (1023 + 128),
     )
     # count <= 2**log_count, so count integers below 2**(52 - log_count) sum exactly.
     log_count = tf.cast(
@@ -1473,8 +1502,13 @@ def _slot(index: int, variable: Any, offset: int) -> _Slot:
     guard = getattr(variable, "_self_guard", None)
     dims = tuple(int(d) for d in shape.as_list())
     return _Slot(
-        index=index, name=name, shape=dims, size=int(np.prod(dims, dtype=np.int64)),
-        offset=offset, dtype=dtype, guard=guard if isinstance(guard, Guard) else None,
+        index=index,
+        name=name,
+        shape=dims,
+        size=int(np.prod(dims, dtype=np.int64)),
+        offset=offset,
+        dtype=dtype,
+        guard=guard if isinstance(guard, Guard) else None,
     )
 
 
@@ -1490,8 +1524,8 @@ def _as_tensors(parts: list[_Part]) -> list[tuple]:
     it retrace for every new version number)."""
     out = []
     for part in parts:
-        finite = part.finite if isinstance(part.finite, tf.Tensor) else tf.constant(
-            bool(part.finite)
+        finite = (
+            part.finite if isinstance(part.finite, tf.Tensor) else tf.constant(bool(part.finite))
         )
         version = part.version
         if part.version_kind == "int":
@@ -1584,8 +1618,7 @@ def _version_value(value: Any, what: str) -> int | tf.Tensor:
             return tf.cast(value, tf.int64)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(
-            f"{what} must be an int, a scalar integer tensor or a Snapshot, got "
-            f"{_short(value)}."
+            f"{what} must be an int, a scalar integer tensor or a Snapshot, got {_short(value)}."
         )
     if value < 0:
         raise InvalidArgumentError(f"{what} must be >= 0, got {value}.")

@@ -139,11 +139,11 @@ from safevars import variable as variable_module
 from safevars.errors import InvalidArgumentError, RaceDetectedError
 
 __all__ = [
-    "AuditReport",
     "CONCURRENT_WRITE",
     "LOST_UPDATE",
     "OBSERVED",
     "PREDICTED",
+    "AuditReport",
     "Race",
     "audit",
 ]
@@ -236,8 +236,10 @@ class Race:
     def __str__(self) -> str:
         title = "lost update" if self.kind == LOST_UPDATE else "concurrent unlocked writes"
         lines = [
-            f"{title} on {self.variable!r}: threads {', '.join(self.threads)} "
-            f"({self.evidence}, matched {self.count}x, {', '.join(self.contexts)})"
+            (
+                f"{title} on {self.variable!r}: threads {', '.join(self.threads)} "
+                f"({self.evidence}, matched {self.count}x, {', '.join(self.contexts)})"
+            )
         ]
         if self.kind == LOST_UPDATE:
             lines.append(_site_line("read ", self.read_site, "value read here"))
@@ -317,9 +319,11 @@ def _file_kind(filename: str) -> int:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_SAFEVARS_DIR):
             kind = _SAFEVARS
-        elif path in _INTERNAL_FILES or path.startswith(_INTERNAL_DIRS):
-            kind = _INTERNAL
-        elif filename.startswith("<frozen"):
+        elif (
+            path in _INTERNAL_FILES
+            or path.startswith(_INTERNAL_DIRS)
+            or filename.startswith("<frozen")
+        ):
             kind = _INTERNAL
         else:
             kind = _USER
@@ -486,14 +490,35 @@ class _Access:
     """One recorded read or write (eager, or replayed from a traced function)."""
 
     __slots__ = (
-        "kind", "var", "name", "site", "tid", "tname", "clock", "vc", "begin", "end",
-        "locks", "sections", "family", "context",
+        "kind",
+        "var",
+        "name",
+        "site",
+        "tid",
+        "tname",
+        "clock",
+        "vc",
+        "begin",
+        "end",
+        "locks",
+        "sections",
+        "family",
+        "context",
     )
 
     def __init__(
-        self, kind: int, var: Any, name: str | None, site: str, state: _ThreadState,
-        begin: int, end: int, locks: frozenset[Any], sections: frozenset[Any],
-        family: str | None, context_name: str,
+        self,
+        kind: int,
+        var: Any,
+        name: str | None,
+        site: str,
+        state: _ThreadState,
+        begin: int,
+        end: int,
+        locks: frozenset[Any],
+        sections: frozenset[Any],
+        family: str | None,
+        context_name: str,
     ) -> None:
         self.kind = kind
         self.var = var
@@ -522,8 +547,15 @@ class _Traced:
     __slots__ = ("kind", "var", "name", "site", "locks", "sections", "family", "position")
 
     def __init__(
-        self, kind: int, var: Any, name: str | None, site: str, locks: frozenset[Any],
-        sections: frozenset[Any], family: str | None, position: int | None = None,
+        self,
+        kind: int,
+        var: Any,
+        name: str | None,
+        site: str,
+        locks: frozenset[Any],
+        sections: frozenset[Any],
+        family: str | None,
+        position: int | None = None,
     ) -> None:
         self.position = position
         self.kind = kind
@@ -595,11 +627,20 @@ class _VarState:
 
 
 class _Finding:
-    __slots__ = ("kind", "variable", "read_site", "write_sites", "threads", "observed",
-                 "count", "contexts")
+    __slots__ = (
+        "kind",
+        "variable",
+        "read_site",
+        "write_sites",
+        "threads",
+        "observed",
+        "count",
+        "contexts",
+    )
 
-    def __init__(self, kind: str, variable: str, read_site: str | None,
-                 write_sites: tuple[str, ...]) -> None:
+    def __init__(
+        self, kind: str, variable: str, read_site: str | None, write_sites: tuple[str, ...]
+    ) -> None:
         self.kind = kind
         self.variable = variable
         self.read_site = read_site
@@ -671,8 +712,12 @@ class _Detector:
                     and not (access.family and other.family == access.family)
                 ):
                     self._record(
-                        access.var, var, CONCURRENT_WRITE, None,
-                        tuple(sorted((other.site, access.site))), (other, access),
+                        access.var,
+                        var,
+                        CONCURRENT_WRITE,
+                        None,
+                        tuple(sorted((other.site, access.site))),
+                        (other, access),
                         other.end > access.begin,
                     )
             var.blind[(tid, access.site, access.locks, access.family)] = access
@@ -688,13 +733,24 @@ class _Detector:
             return  # Commutative updates: neither effect can be lost.
         observed = other.begin < window.write.end and other.end > window.read.begin
         self._record(
-            key, var, LOST_UPDATE, window.read.site, (window.write.site, other.site),
-            (window.read, window.write, other), observed,
+            key,
+            var,
+            LOST_UPDATE,
+            window.read.site,
+            (window.write.site, other.site),
+            (window.read, window.write, other),
+            observed,
         )
 
     def _record(
-        self, key: Any, var: _VarState, kind: str, read_site: str | None,
-        write_sites: tuple[str, ...], accesses: tuple[_Access, ...], observed: bool,
+        self,
+        key: Any,
+        var: _VarState,
+        kind: str,
+        read_site: str | None,
+        write_sites: tuple[str, ...],
+        accesses: tuple[_Access, ...],
+        observed: bool,
     ) -> None:
         if not observed and not self.predictive:
             return
@@ -770,18 +826,25 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
     state = session.state()
     if context.executing_eagerly():
         locks, sections = _eager_protection(state)
-        _deliver([
-            _Access(kind, key, name, site, state, begin, end, locks, sections, family,
-                    "eager")
-        ])
+        _deliver(
+            [_Access(kind, key, name, site, state, begin, end, locks, sections, family, "eager")]
+        )
         return
     top = _top_func_graph()
     if top is None:
         return  # A TF1-style graph: not audited.
     traced_sections = frozenset((k, i) for k, i, g in state.sections if g is not None)
     # Arguments are mapped to their graph inputs only while tracing: resolve it now.
-    traced = _Traced(kind, key, name, site, frozenset(k for k, _ in traced_sections),
-                     traced_sections, family, _input_position(top, key))
+    traced = _Traced(
+        kind,
+        key,
+        name,
+        site,
+        frozenset(k for k, _ in traced_sections),
+        traced_sections,
+        family,
+        _input_position(top, key),
+    )
     with _DETECT_LOCK:
         summary = _SUMMARIES.get(top)
         if summary is None:
@@ -867,9 +930,7 @@ def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         # read there and a write here are one continuous hold.
         enclosing = set().union(*(locks for locks, _ in sections._enclosing_sections()))
         entries = [
-            (id(lock), next(_SECTION_IDS), graph)
-            for lock in ordered
-            if lock not in enclosing
+            (id(lock), next(_SECTION_IDS), graph) for lock in ordered if lock not in enclosing
         ]
         state.sections.extend(entries)
         try:
@@ -916,8 +977,15 @@ def _merge_nested(function: Any) -> None:
             outer = _SUMMARIES[top] = _Summary(top.name)
         for t in list(inner.accesses):
             outer.accesses.append(
-                _Traced(t.kind, t.var, t.name, t.site, t.locks | extra_locks,
-                        t.sections | extra, t.family)
+                _Traced(
+                    t.kind,
+                    t.var,
+                    t.name,
+                    t.site,
+                    t.locks | extra_locks,
+                    t.sections | extra,
+                    t.family,
+                )
             )
 
 
@@ -959,9 +1027,17 @@ def _replay(function: Any, inputs: list[Any], begin: int) -> None:
             session.register(handle, name)
         accesses.append(
             _Access(
-                t.kind, key, name, t.site, state, begin, end, t.locks | locks,
+                t.kind,
+                key,
+                name,
+                t.site,
+                state,
+                begin,
+                end,
+                t.locks | locks,
                 frozenset((k, i, call) for k, i in t.sections) | sections,
-                t.family, label,
+                t.family,
+                label,
             )
         )
     with _DETECT_LOCK:
@@ -1010,6 +1086,7 @@ def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------- patching
+
 
 def _variable_classes() -> list[type]:
     """``BaseResourceVariable`` and all its subclasses loaded so far (TensorFlow's own

@@ -153,8 +153,9 @@ def _add_variable_from_reference(original: Callable[..., Any]) -> Callable[..., 
     """Wraps Keras' ``Optimizer.add_variable_from_reference``: a slot of a safe weight is
     created inside :func:`scope` and recorded as the weight's."""
 
-    def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any,
-                                    **kwargs: Any) -> Any:
+    def add_variable_from_reference(
+        self: Any, reference_variable: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         reference = _safe_backing(reference_variable)
         if reference is None:
             return original(self, reference_variable, *args, **kwargs)
@@ -225,8 +226,14 @@ def locked_update(guards: Sequence[Guard], call: Callable[[], Any]) -> Any:
 def _update_under_lock(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps ``tf.distribute.StrategyExtended.update`` for SafeVariables."""
 
-    def update(self: Any, var: Any, fn: Callable[..., Any], args: Any = (),
-               kwargs: Any = None, group: bool = True) -> Any:
+    def update(
+        self: Any,
+        var: Any,
+        fn: Callable[..., Any],
+        args: Any = (),
+        kwargs: Any = None,
+        group: bool = True,
+    ) -> Any:
         guard = getattr(var, "_self_guard", None)
         if not isinstance(guard, Guard) or not _cross_replica():
             return original(self, var, fn, args, kwargs, group)
@@ -290,7 +297,9 @@ _keras_internal: Any = None
 _INSTALL_LOCK = threading.Lock()
 
 
-def _patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def _patch(
+    owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
     current = getattr(owner, name)  # may be inherited: the patch then overrides it on owner
     if not getattr(current, "_safevars", False):
         setattr(owner, name, make(current))
@@ -311,12 +320,19 @@ def install() -> None:
             internal = _KerasInternal()
         except ImportError:  # pragma: no cover - Keras is not installed
             return
-        _patch(internal.optimizer_class, "add_variable_from_reference",
-               _add_variable_from_reference)
-        _patch(internal.variable_class, "assign_add",
-               lambda original: _keras_read_modify_write(original, "add"))
-        _patch(internal.variable_class, "assign_sub",
-               lambda original: _keras_read_modify_write(original, "subtract"))
+        _patch(
+            internal.optimizer_class, "add_variable_from_reference", _add_variable_from_reference
+        )
+        _patch(
+            internal.variable_class,
+            "assign_add",
+            lambda original: _keras_read_modify_write(original, "add"),
+        )
+        _patch(
+            internal.variable_class,
+            "assign_sub",
+            lambda original: _keras_read_modify_write(original, "subtract"),
+        )
         _keras_internal = internal
 
 

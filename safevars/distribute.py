@@ -151,9 +151,7 @@ def merged_write(
         )
 
     def merge_fn(strategy: tf.distribute.Strategy, per_replica: Any) -> Any:
-        aggregated = values_util.apply_aggregation(
-            strategy, per_replica, aggregation, variable
-        )
+        aggregated = values_util.apply_aggregation(strategy, per_replica, aggregation, variable)
         return write(aggregated)
 
     return ctx.merge_call(merge_fn, args=(value,))

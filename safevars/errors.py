@@ -27,20 +27,20 @@ from typing import Any
 import tensorflow as tf
 
 __all__ = [
-    "SafeVarsError",
-    "LockReentryError",
-    "LockOrderError",
-    "LockTimeoutError",
-    "ShapeMismatchError",
-    "DTypeMismatchError",
-    "NotCallableError",
-    "StaleGradientError",
     "AccumulatorTimeoutError",
-    "InvalidArgumentError",
+    "DTypeMismatchError",
     "IndexOutOfRangeError",
+    "InvalidArgumentError",
+    "LockOrderError",
+    "LockReentryError",
+    "LockTimeoutError",
     "NonFiniteGradientError",
-    "UnsupportedStrategyError",
+    "NotCallableError",
     "RaceDetectedError",
+    "SafeVarsError",
+    "ShapeMismatchError",
+    "StaleGradientError",
+    "UnsupportedStrategyError",
 ]
 
 
@@ -107,9 +107,7 @@ class LockTimeoutError(SafeVarsError, TimeoutError):
     """
 
 
-class ShapeMismatchError(
-    _TFErrorMixin, SafeVarsError, ValueError, tf.errors.InvalidArgumentError
-):
+class ShapeMismatchError(_TFErrorMixin, SafeVarsError, ValueError, tf.errors.InvalidArgumentError):
     """A value written to a variable has a shape the variable cannot hold.
 
     Also a ``ValueError`` (what plain ``assign`` raises) and a

@@ -88,10 +88,19 @@ _LOCK = threading.Lock()
 # Stateful ops that only read. A section made only of these (and of stateless ops) is
 # read-only and is never recorded; any other stateful op (a write, a nested If, a call)
 # makes it a write.
-_READ_ONLY_STATEFUL = frozenset({
-    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-    "VarIsInitializedOp", "Assert", "PrintV2", "LookupTableFindV2", "LookupTableSizeV2",
-})
+_READ_ONLY_STATEFUL = frozenset(
+    {
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VariableShape",
+        "VarIsInitializedOp",
+        "Assert",
+        "PrintV2",
+        "LookupTableFindV2",
+        "LookupTableSizeV2",
+    }
+)
 # Graphs a recorded section may be traced in, between it and the step's graph.
 _ONCE_PER_STEP_GRAPHS = frozenset({"CondBranchFuncGraph"})
 
@@ -107,11 +116,17 @@ class _LockRecord:
         with tf.init_scope(), tf.device(lock.device):
             # Anonymous: a table shared by name could hold another coordinator's keys.
             self.table = tf.lookup.experimental.MutableHashTable(
-                tf.int64, tf.int64, default_value=-1, name="safevars_exactly_once",
-                checkpoint=False, experimental_is_anonymous=True,
+                tf.int64,
+                tf.int64,
+                default_value=-1,
+                name="safevars_exactly_once",
+                checkpoint=False,
+                experimental_is_anonymous=True,
             )
             self.discarded = tfi.ResourceVariable(
-                tf.constant(0, tf.int64), trainable=False, shape=(),
+                tf.constant(0, tf.int64),
+                trainable=False,
+                shape=(),
                 name="safevars_duplicates_discarded",
             )
 
@@ -175,11 +190,15 @@ class _Trace:
             )
         g = graph
         while g is not None and g is not self.graph:
-            if not (getattr(g, "_safevars_exactly_once", False)
-                    or type(g).__name__ in _ONCE_PER_STEP_GRAPHS):
-                where = ("a tf.while_loop (or a for loop over a tensor)"
-                         if type(g).__name__.startswith("While")
-                         else f"another tf.function ({getattr(g, 'name', g)!r})")
+            if not (
+                getattr(g, "_safevars_exactly_once", False)
+                or type(g).__name__ in _ONCE_PER_STEP_GRAPHS
+            ):
+                where = (
+                    "a tf.while_loop (or a for loop over a tensor)"
+                    if type(g).__name__.startswith("While")
+                    else f"another tf.function ({getattr(g, 'name', g)!r})"
+                )
                 raise UnsupportedStrategyError(
                     f"safevars.exactly_once.schedule({self.name}): a safevars critical "
                     f"section is traced inside {where} that the step runs, so it may run "
@@ -231,8 +250,12 @@ class _Trace:
                 created = [op for op in branch.get_operations() if op not in before]
                 leaves = tf.nest.flatten(result, expand_composites=True)
                 tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
-                shape.update(result=result, leaves=leaves, tensors=tensors,
-                             write=any(_is_write(op) for op in created))
+                shape.update(
+                    result=result,
+                    leaves=leaves,
+                    tensors=tensors,
+                    write=any(_is_write(op) for op in created),
+                )
                 done = []
                 if shape["write"]:
                     with tf.control_dependencies(created):
@@ -243,9 +266,7 @@ class _Trace:
             def skip() -> list[tf.Tensor]:
                 counted = [r.discarded.assign_add(1, read_value=False) for r in records]
                 with tf.control_dependencies(counted):
-                    return [_zeros_like_spec(t) for t in shape["tensors"]] + [
-                        tf.constant(False)
-                    ]
+                    return [_zeros_like_spec(t) for t in shape["tensors"]] + [tf.constant(False)]
 
             return tf.cond(fresh, apply, skip)
 
@@ -343,7 +364,8 @@ class _StepFunction:
             for recorded in traces:
                 found = sum(
                     int(r.table.lookup(tf.constant((token << _SECTION_BITS) + sid, tf.int64)))
-                    != -1 for r, sid in recorded
+                    != -1
+                    for r, sid in recorded
                 )
                 if found:
                     return found, len(recorded)
@@ -371,8 +393,14 @@ class ScheduledStep:
       remote_value: What ``ClusterCoordinator.schedule`` returned for this attempt.
     """
 
-    def __init__(self, coordinator: Any, step: _StepFunction, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], token: int) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        step: _StepFunction,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        token: int,
+    ) -> None:
         self.token = token
         self._coordinator, self._step, self._args, self._kwargs = coordinator, step, args, kwargs
         self.remote_value = coordinator.schedule(
@@ -424,8 +452,7 @@ class ScheduledStep:
 
         Modes: eager, on the coordinator.
         """
-        return ScheduledStep(self._coordinator, self._step, self._args, self._kwargs,
-                             self.token)
+        return ScheduledStep(self._coordinator, self._step, self._args, self._kwargs, self.token)
 
     def __repr__(self) -> str:
         return f"<safevars.exactly_once.ScheduledStep {self._step.name} token={self.token}>"
@@ -496,11 +523,15 @@ def schedule(
         )
     if token is None:
         token = next(_TOKENS)
-    elif (isinstance(token, bool) or not isinstance(token, (int, np.integer))
-          or not 0 <= token < _USER_TOKENS):
+    elif (
+        isinstance(token, bool)
+        or not isinstance(token, (int, np.integer))
+        or not 0 <= token < _USER_TOKENS
+    ):
         raise InvalidArgumentError(
             f"token must be an int in [0, 2**{_USER_TOKENS.bit_length() - 1}) (for example "
             f"the step number), got {token!r}. Pass token=None to draw one."
         )
-    return ScheduledStep(coordinator, _step_function(fn), tuple(args or ()),
-                         dict(kwargs or {}), int(token))
+    return ScheduledStep(
+        coordinator, _step_function(fn), tuple(args or ()), dict(kwargs or {}), int(token)
+    )

@@ -50,9 +50,11 @@ def start_in_process_cluster(
     for job, config in (("worker", worker_config), ("ps", None)):
         for index in range(len(spec[job])):
             tf.distribute.Server(
-                cluster_spec, job_name=job, task_index=index, protocol="grpc",
-                config=config, start=True,
+                cluster_spec,
+                job_name=job,
+                task_index=index,
+                protocol="grpc",
+                config=config,
+                start=True,
             )
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        cluster_spec, rpc_layer="grpc"
-    )
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, rpc_layer="grpc")

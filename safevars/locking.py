@@ -470,8 +470,7 @@ def check_timeout(timeout: float | None) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
         raise InvalidArgumentError(
-            f"timeout must be None (wait for ever) or a number of seconds >= 0, got "
-            f"{timeout!r}."
+            f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}."
         )
     return float(timeout)
 
@@ -615,7 +614,11 @@ class Guard:
                         held.pop()
 
     def write_counted(
-        self, kernel: Any, op_name: str, inputs: tuple[Any, ...], attrs: tuple[Any, ...] = (),
+        self,
+        kernel: Any,
+        op_name: str,
+        inputs: tuple[Any, ...],
+        attrs: tuple[Any, ...] = (),
         writes: int = 1,
     ) -> None:
         """Runs the eager kernel ``op_name`` on ``inputs`` and counts ``writes``, together.
@@ -629,8 +632,12 @@ class Guard:
         ctx = tfi.eager_context()
         if self.lock.runtime:
             count = (
-                tfi.fast_execute, ctx, "AssignAddVariableOp", None,
-                self.version_var.handle, tf.constant(writes, tf.int64),
+                tfi.fast_execute,
+                ctx,
+                "AssignAddVariableOp",
+                None,
+                self.version_var.handle,
+                tf.constant(writes, tf.int64),
             )
         else:
             count = (setattr, self, "_version", self._version + writes)
@@ -937,7 +944,6 @@ def held_locks() -> list[HeldLock]:
 
 
 # Graph sections live in safevars.sections; these names stay importable from here.
-from safevars.sections import graph_section, held_in_graph  # noqa: E402, F401
-
 # Savers (tf.train.Checkpoint, Keras model.save) take the locks of what they save.
 from safevars import checkpointing as _checkpointing  # noqa: E402, F401
+from safevars.sections import graph_section, held_in_graph  # noqa: E402, F401

@@ -195,9 +195,22 @@ class _Runtime:
     """Python-side state of a SafeOptimizer, kept out of Keras' and TF's tracking."""
 
     __slots__ = (
-        "accumulate_steps", "max_staleness", "on_stale", "nonfinite", "deterministic",
-        "build_lock", "ready", "guards", "state_guard", "fixed_guards", "shared",
-        "accumulator", "accumulated_set", "coordinator_fns", "counters", "strategy",
+        "accumulate_steps",
+        "max_staleness",
+        "on_stale",
+        "nonfinite",
+        "deterministic",
+        "build_lock",
+        "ready",
+        "guards",
+        "state_guard",
+        "fixed_guards",
+        "shared",
+        "accumulator",
+        "accumulated_set",
+        "coordinator_fns",
+        "counters",
+        "strategy",
         "state",
     )
 
@@ -218,7 +231,8 @@ class _Runtime:
         self.strategy = tf.distribute.get_strategy()
         with tf.init_scope():
             self.counters = tf.Variable(
-                tf.zeros([len(_COUNTERS)], tf.int64), trainable=False,
+                tf.zeros([len(_COUNTERS)], tf.int64),
+                trainable=False,
                 name=f"{name}_safevars_statistics",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
@@ -469,8 +483,11 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
         return self._iterations
 
     def apply(
-        self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None,
-        *, version: Any = None,
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        *,
+        version: Any = None,
     ) -> None:
         """Keras' ``apply``: ``grads`` for ``trainable_variables`` (default: all built).
 
@@ -512,7 +529,8 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
             )
         step = self._safevars_validate(grads, variables, version, where)
         asserts = runtime.nonfinite == "raise" or (
-            runtime.on_stale == "raise" and runtime.max_staleness is not None
+            runtime.on_stale == "raise"
+            and runtime.max_staleness is not None
             and step.versions is not None
         )
         if asserts and k.in_xla_context():
@@ -595,8 +613,14 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
             else:
                 versions = [None if v is None else tf.constant(v, tf.int64) for v in value]
                 shape = ("each", tuple(v is None for v in value))
-        key = ("apply", positions, tuple(step.kept), len(step.keras_variables), shape,
-               strategy is not None)
+        key = (
+            "apply",
+            positions,
+            tuple(step.kept),
+            len(step.keras_variables),
+            shape,
+            strategy is not None,
+        )
         template = step
 
         def make() -> Callable[..., Any]:
@@ -690,9 +714,7 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
         else:
             graph_section(guards, body, after=step.grads)
 
-    def _safevars_locked_step(
-        self, step: _Step, strategy: tf.distribute.Strategy | None
-    ) -> None:
+    def _safevars_locked_step(self, step: _Step, strategy: tf.distribute.Strategy | None) -> None:
         """Everything one call does, with every lock held (one trace-safe path).
 
         Decisions are Python values eagerly and tensors in a graph. Every check runs
@@ -708,17 +730,19 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
             staleness = self._safevars_staleness(step)
             stale = staleness > runtime.max_staleness
             if runtime.on_stale == "raise":
-                checks.append(k.refuse(
-                    stale,
-                    lambda: StaleGradientError(
-                        f"The gradients are {int(staleness)} updates stale, more than "
-                        f"max_staleness={runtime.max_staleness}; nothing was applied. "
-                        "Recompute them from the current parameters, or use "
-                        "on_stale='drop' or 'scale'."
-                    ),
-                    "safevars StaleGradientError: the gradients are more than "
-                    "max_staleness updates stale; nothing was applied.",
-                ))
+                checks.append(
+                    k.refuse(
+                        stale,
+                        lambda: StaleGradientError(
+                            f"The gradients are {int(staleness)} updates stale, more than "
+                            f"max_staleness={runtime.max_staleness}; nothing was applied. "
+                            "Recompute them from the current parameters, or use "
+                            "on_stale='drop' or 'scale'."
+                        ),
+                        "safevars StaleGradientError: the gradients are more than "
+                        "max_staleness updates stale; nothing was applied.",
+                    )
+                )
             elif runtime.on_stale == "drop":
                 keep = k.logical_not(stale)
                 counts["dropped_stale"] = stale
@@ -729,16 +753,18 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
         if runtime.nonfinite is not None:
             finite = k.all_finite(grads)
             if runtime.nonfinite == "raise":
-                checks.append(k.refuse(
-                    k.logical_not(finite),
-                    lambda: NonFiniteGradientError(
-                        "A gradient holds NaN or Inf and nonfinite='raise'; nothing was "
-                        "applied. Use nonfinite='skip' to skip such steps, or a "
-                        "LossScaleOptimizer for mixed precision."
-                    ),
-                    "safevars NonFiniteGradientError: a gradient holds NaN or Inf; "
-                    "nothing was applied.",
-                ))
+                checks.append(
+                    k.refuse(
+                        k.logical_not(finite),
+                        lambda: NonFiniteGradientError(
+                            "A gradient holds NaN or Inf and nonfinite='raise'; nothing was "
+                            "applied. Use nonfinite='skip' to skip such steps, or a "
+                            "LossScaleOptimizer for mixed precision."
+                        ),
+                        "safevars NonFiniteGradientError: a gradient holds NaN or Inf; "
+                        "nothing was applied.",
+                    )
+                )
             else:
                 counts["skipped_nonfinite"] = k.logical_and(keep, k.logical_not(finite))
                 keep = k.logical_and(keep, finite)
@@ -782,7 +808,10 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
         return k.branch(ready, apply_mean, k.zero), k.one()
 
     def _safevars_keras_update(
-        self, grads: list[Any], variables: list[Any], guards: list[Guard],
+        self,
+        grads: list[Any],
+        variables: list[Any],
+        guards: list[Guard],
         strategy: tf.distribute.Strategy | None,
     ) -> tuple[Any, Any]:
         """Keras' own update, then 1 more on each written variable's version.
@@ -802,8 +831,11 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
         graph = None if eager else tf.compat.v1.get_default_graph()
         existing = None if eager else set(graph.get_operations())
         reads = [] if eager or not every else [update]
-        with k.direct_merge_calls(strategy), tf.control_dependencies(reads), \
-                writes_counted_by_caller(guards):
+        with (
+            k.direct_merge_calls(strategy),
+            tf.control_dependencies(reads),
+            writes_counted_by_caller(guards),
+        ):
             super().apply(grads, variables)
         result = (update, k.one()) if every else (k.one(), k.zero())
         if getattr(_nesting, "depth", 0) > 1:
@@ -917,9 +949,9 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
                     )
                 seen[key] = i
         if runtime.accumulate_steps > 1:
-            self._safevars_check_same_variables(frozenset(
-                self._get_variable_index(variables[i]) for i in kept
-            ))
+            self._safevars_check_same_variables(
+                frozenset(self._get_variable_index(variables[i]) for i in kept)
+            )
         step_versions: tuple[str, Any] | None = None
         if versions is not None:
             kind, value = versions
@@ -942,9 +974,7 @@ class SafeOptimizer(keras.optimizers.Optimizer, metaclass=_SafeOptimizerType):
                 return
             expected = runtime.accumulated_set
         if indices != expected:
-            names = [
-                k.name_of(self._trainable_variables[i]) for i in sorted(indices ^ expected)
-            ]
+            names = [k.name_of(self._trainable_variables[i]) for i in sorted(indices ^ expected)]
             raise InvalidArgumentError(
                 f"With accumulate_steps={runtime.accumulate_steps} every call must give "
                 f"gradients for the same variables (the first call gave {len(expected)}); "
@@ -1118,8 +1148,11 @@ def _safe_class(base: type) -> type:
                 pass
             meta = _SafeOptimizerType
             if not issubclass(meta, type(base)):  # the optimizer class has a metaclass
-                meta = type(f"SafeOptimizerType[{type(base).__name__}]",
-                            (_SafeOptimizerType, type(base)), {})
+                meta = type(
+                    f"SafeOptimizerType[{type(base).__name__}]",
+                    (_SafeOptimizerType, type(base)),
+                    {},
+                )
             made = meta(base.__name__, (SafeOptimizer, base), namespace)
             # Serialized under SafeOptimizer's registered name, which stays SafeOptimizer's.
             register = keras.saving.register_keras_serializable("safevars", "SafeOptimizer")
@@ -1163,8 +1196,7 @@ def _make_safe(
 ) -> SafeOptimizer:
     """Implements ``SafeOptimizer(...)``: checks everything, then changes the class."""
     optimizer = _resolve(optimizer)
-    k.check_settings(accumulate_steps, max_staleness, on_stale, nonfinite, deterministic,
-                     kwargs)
+    k.check_settings(accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs)
     if accumulate_steps > 1 and optimizer.gradient_accumulation_steps:
         raise InvalidArgumentError(
             f"accumulate_steps={accumulate_steps} and the optimizer's "
@@ -1179,7 +1211,9 @@ def _make_safe(
     settings = {
         "accumulate_steps": int(accumulate_steps),
         "max_staleness": None if max_staleness is None else int(max_staleness),
-        "on_stale": on_stale, "nonfinite": nonfinite, "deterministic": deterministic,
+        "on_stale": on_stale,
+        "nonfinite": nonfinite,
+        "deterministic": deterministic,
     }
     runtime = _Runtime(settings, name or optimizer.name)
     object.__setattr__(optimizer, "_safevars", runtime)
@@ -1214,15 +1248,16 @@ def _nested_safe_optimizers(optimizer: Any) -> list[SafeOptimizer]:
     return found
 
 
-def _make_accumulator(
-    variables: list[Any], steps: int, deterministic: bool, name: str
-) -> Any:
+def _make_accumulator(variables: list[Any], steps: int, deterministic: bool, name: str) -> Any:
     from safevars.accumulator import GradientAccumulator
 
     if any(tf.as_dtype(k.dtype_name(v)) == tf.float64 for v in variables):
         deterministic = False  # The exact sum covers float16, bfloat16 and float32.
     return GradientAccumulator(
-        variables, reduction="mean", num_required=steps, deterministic=deterministic,
+        variables,
+        reduction="mean",
+        num_required=steps,
+        deterministic=deterministic,
         name=f"{name}_accumulator",
     )
 

@@ -123,7 +123,7 @@ import json
 import numbers
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
@@ -134,6 +134,9 @@ from tensorflow.python.ops import (
     gen_stateless_random_ops_v2,
     resource_variable_ops,
 )
+
+if TYPE_CHECKING:
+    import keras
 
 from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
 from safevars.distribute import SUPPORTED_STRATEGIES, check_strategy, is_parameter_server
@@ -158,16 +161,26 @@ _DOMAIN_SHUFFLE = 5  # reserved: safevars.data's per-epoch order (data/_layout.p
 # (fused stateful kernel, stateless kernel) of each distribution: see
 # ReplicaStream._generate(). Graph draws of fewer elements than _FUSED_MAX_ELEMENTS
 # use the fused kernel.
-_NORMAL = (gen_stateful_random_ops.stateful_standard_normal_v2,
-           gen_stateless_random_ops_v2.stateless_random_normal_v2)
-_TRUNCATED_NORMAL = (gen_stateful_random_ops.stateful_truncated_normal,
-                     gen_stateless_random_ops_v2.stateless_truncated_normal_v2)
-_UNIFORM = (gen_stateful_random_ops.stateful_uniform,
-            gen_stateless_random_ops_v2.stateless_random_uniform_v2)
-_UNIFORM_INT = (gen_stateful_random_ops.stateful_uniform_int,
-                gen_stateless_random_ops_v2.stateless_random_uniform_int_v2)
-_FULL_INT = (gen_stateful_random_ops.stateful_uniform_full_int,
-             gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2)
+_NORMAL = (
+    gen_stateful_random_ops.stateful_standard_normal_v2,
+    gen_stateless_random_ops_v2.stateless_random_normal_v2,
+)
+_TRUNCATED_NORMAL = (
+    gen_stateful_random_ops.stateful_truncated_normal,
+    gen_stateless_random_ops_v2.stateless_truncated_normal_v2,
+)
+_UNIFORM = (
+    gen_stateful_random_ops.stateful_uniform,
+    gen_stateless_random_ops_v2.stateless_random_uniform_v2,
+)
+_UNIFORM_INT = (
+    gen_stateful_random_ops.stateful_uniform_int,
+    gen_stateless_random_ops_v2.stateless_random_uniform_int_v2,
+)
+_FULL_INT = (
+    gen_stateful_random_ops.stateful_uniform_full_int,
+    gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2,
+)
 _FUSED_MAX_ELEMENTS = 1 << 16
 
 _KEY_INT = 0
@@ -195,7 +208,9 @@ def _check_int(value: Any, argument: str, minimum: int, fix: str) -> int:
 
 def _check_seed(seed: Any) -> int:
     return _check_int(
-        seed, "seed", 0,
+        seed,
+        "seed",
+        0,
         "Pass a non-negative Python int, for example ReplicaRNG(seed=1234).",
     )
 
@@ -314,8 +329,7 @@ def _parameter_server_tasks(strategy: tf.distribute.Strategy) -> tuple[int, int]
         raise UnsupportedStrategyError(
             "ReplicaRNG cannot read the number of workers and parameter servers of this "
             f"{type(strategy).__name__} (got num_workers={num_workers!r}, "
-            f"num_ps={num_ps!r}); this TensorFlow version is not supported. "
-            + _SUPPORTED_USES
+            f"num_ps={num_ps!r}); this TensorFlow version is not supported. " + _SUPPORTED_USES
         )
     return int(num_workers), int(num_ps)
 
@@ -362,10 +376,13 @@ class _Draws:
     def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
         raise NotImplementedError
 
-
     def normal(
-        self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
-        dtype: Any = tf.float32, name: str | None = None,
+        self,
+        shape: Any,
+        mean: Any = 0.0,
+        stddev: Any = 1.0,
+        dtype: Any = tf.float32,
+        name: str | None = None,
     ) -> tf.Tensor:
         """Draws from a normal distribution.
 
@@ -397,8 +414,12 @@ class _Draws:
             return _affine(rnd, stddev, mean, dtype)
 
     def truncated_normal(
-        self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
-        dtype: Any = tf.float32, name: str | None = None,
+        self,
+        shape: Any,
+        mean: Any = 0.0,
+        stddev: Any = 1.0,
+        dtype: Any = tf.float32,
+        name: str | None = None,
     ) -> tf.Tensor:
         """Draws from a normal distribution truncated to two standard deviations.
 
@@ -425,8 +446,12 @@ class _Draws:
             return _affine(rnd, stddev, mean, dtype)
 
     def uniform(
-        self, shape: Any, minval: Any = 0, maxval: Any = None,
-        dtype: Any = tf.float32, name: str | None = None,
+        self,
+        shape: Any,
+        minval: Any = 0,
+        maxval: Any = None,
+        dtype: Any = tf.float32,
+        name: str | None = None,
     ) -> tf.Tensor:
         """Draws from a uniform distribution on ``[minval, maxval)``.
 
@@ -478,8 +503,12 @@ class _Draws:
             return rnd * (tf.convert_to_tensor(maxval, dtype) - lo) + lo
 
     def uniform_int(
-        self, shape: Any, minval: Any, maxval: Any,
-        dtype: Any = tf.int64, name: str | None = None,
+        self,
+        shape: Any,
+        minval: Any,
+        maxval: Any,
+        dtype: Any = tf.int64,
+        name: str | None = None,
     ) -> tf.Tensor:
         """Draws integers uniformly from ``[minval, maxval)``.
 
@@ -510,7 +539,8 @@ class _Draws:
         _check_bounds(minval, maxval)
         with tf.name_scope(name or "uniform_int"):
             return self._generate(
-                _UNIFORM_INT, shape,
+                _UNIFORM_INT,
+                shape,
                 minval=tf.convert_to_tensor(minval, dtype),
                 maxval=tf.convert_to_tensor(maxval, dtype),
             )
@@ -610,7 +640,11 @@ class ReplicaStream(_Draws, _PureSeeds, tf.Module):
     """
 
     def __init__(
-        self, seed: int, worker: tuple[str, int], replica_id: int, device: str | None,
+        self,
+        seed: int,
+        worker: tuple[str, int],
+        replica_id: int,
+        device: str | None,
         name: str,
     ) -> None:
         super().__init__(name=name)
@@ -624,7 +658,9 @@ class ReplicaStream(_Draws, _PureSeeds, tf.Module):
             # state is one plain variable per stream under any strategy scope (never
             # mirrored, never sharded, placed by ReplicaRNG alone).
             self.state = resource_variable_ops.ResourceVariable(
-                [0, 0, _to_int64(self.key)], trainable=False, dtype=tf.int64,
+                [0, 0, _to_int64(self.key)],
+                trainable=False,
+                dtype=tf.int64,
                 name=f"{name}_state",
             )
 
@@ -819,7 +855,9 @@ class ReplicaRNG(tf.Module):
         if num_replicas is None:
             num_replicas = strategy.num_replicas_in_sync if strategy is not None else 1
         num_replicas = _check_int(
-            num_replicas, "num_replicas", 1,
+            num_replicas,
+            "num_replicas",
+            1,
             "Pass the number of replicas, for example strategy.num_replicas_in_sync.",
         )
         if worker is not None:
@@ -841,7 +879,8 @@ class ReplicaRNG(tf.Module):
             # the coordinator's checkpoints; keyed by the worker task it serves.
             specs = [
                 (("worker", w), r, _ps_device(w % num_ps), f"worker_{w}_replica_{r}")
-                for w in range(num_workers) for r in range(num_replicas)
+                for w in range(num_workers)
+                for r in range(num_replicas)
             ]
         else:
             num_workers = 1
@@ -891,7 +930,8 @@ class ReplicaRNG(tf.Module):
         task_type, task_id = self._worker
         cluster = (
             f" num_workers={self._num_workers} (ParameterServerStrategy)"
-            if self._parameter_server else ""
+            if self._parameter_server
+            else ""
         )
         return (
             f"<safevars.ReplicaRNG seed={self._seed} num_replicas={self._num_replicas}"
@@ -977,9 +1017,7 @@ class ReplicaRNG(tf.Module):
         )
         replica_id = _check_int(replica_id, argument, 0, fix)
         if replica_id >= self._num_replicas:
-            raise InvalidArgumentError(
-                f"{argument}={replica_id} is out of range. {fix}"
-            )
+            raise InvalidArgumentError(f"{argument}={replica_id} is out of range. {fix}")
         return replica_id
 
     def _check_draw_strategy(self) -> None:
@@ -998,8 +1036,7 @@ class ReplicaRNG(tf.Module):
             "this ReplicaRNG was created outside ParameterServerStrategy.scope(): its "
             "streams are this process's replicas, not the cluster's workers, so every "
             "worker would share one stream in whatever order the coordinator schedules "
-            "steps. Create it inside strategy.scope() on the coordinator. "
-            + _SUPPORTED_USES
+            "steps. Create it inside strategy.scope() on the coordinator. " + _SUPPORTED_USES
         )
 
     def _current_replica(self) -> int | tf.Tensor:
@@ -1096,14 +1133,21 @@ class ReplicaRNG(tf.Module):
             return streams[dispatch.worker_index * num_replicas + replica].state.handle
 
         return graph.capture_call_time_value(
-            executing_worker_handle, tf.TensorSpec([], tf.resource),
+            executing_worker_handle,
+            tf.TensorSpec([], tf.resource),
             key=("safevars.ReplicaRNG", id(self), replica),
         )
 
     # -- draws on the current replica's stream -----------------------------------------
 
-    def normal(self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
-               dtype: Any = tf.float32, name: str | None = None) -> tf.Tensor:
+    def normal(
+        self,
+        shape: Any,
+        mean: Any = 0.0,
+        stddev: Any = 1.0,
+        dtype: Any = tf.float32,
+        name: str | None = None,
+    ) -> tf.Tensor:
         """:meth:`ReplicaStream.normal` on the current replica's stream.
 
         Raises:
@@ -1125,8 +1169,14 @@ class ReplicaRNG(tf.Module):
         """
         return self._select().normal(shape, mean, stddev, dtype, name)
 
-    def truncated_normal(self, shape: Any, mean: Any = 0.0, stddev: Any = 1.0,
-                         dtype: Any = tf.float32, name: str | None = None) -> tf.Tensor:
+    def truncated_normal(
+        self,
+        shape: Any,
+        mean: Any = 0.0,
+        stddev: Any = 1.0,
+        dtype: Any = tf.float32,
+        name: str | None = None,
+    ) -> tf.Tensor:
         """:meth:`ReplicaStream.truncated_normal` on the current replica's stream.
 
         Thread safety: as :meth:`normal`.
@@ -1135,8 +1185,14 @@ class ReplicaRNG(tf.Module):
         """
         return self._select().truncated_normal(shape, mean, stddev, dtype, name)
 
-    def uniform(self, shape: Any, minval: Any = 0, maxval: Any = None,
-                dtype: Any = tf.float32, name: str | None = None) -> tf.Tensor:
+    def uniform(
+        self,
+        shape: Any,
+        minval: Any = 0,
+        maxval: Any = None,
+        dtype: Any = tf.float32,
+        name: str | None = None,
+    ) -> tf.Tensor:
         """:meth:`ReplicaStream.uniform` on the current replica's stream.
 
         Thread safety: as :meth:`normal`.
@@ -1145,8 +1201,9 @@ class ReplicaRNG(tf.Module):
         """
         return self._select().uniform(shape, minval, maxval, dtype, name)
 
-    def uniform_int(self, shape: Any, minval: Any, maxval: Any,
-                    dtype: Any = tf.int64, name: str | None = None) -> tf.Tensor:
+    def uniform_int(
+        self, shape: Any, minval: Any, maxval: Any, dtype: Any = tf.int64, name: str | None = None
+    ) -> tf.Tensor:
         """:meth:`ReplicaStream.uniform_int` on the current replica's stream.
 
         Thread safety: as :meth:`normal`.
@@ -1176,7 +1233,7 @@ class ReplicaRNG(tf.Module):
         """
         return self._select().make_seed()
 
-    def keras_seed_generator(self, name: str | None = None) -> ReplicaSeedGenerator:
+    def keras_seed_generator(self, name: str | None = None) -> keras.random.SeedGenerator:
         """A ``keras.random.SeedGenerator`` that draws from the calling replica's stream.
 
         Pass it as the ``seed`` of ``keras.random.*`` ops in a custom layer, or assign it

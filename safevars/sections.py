@@ -60,9 +60,7 @@ def body_wrappers() -> list[tuple[Any, Callable[..., Any]]]:
 # Graph -> wrapper, for sections traced in that graph (or a graph nested in it) by ANY
 # thread: MirroredStrategy (and ParameterServerStrategy's strategy.run) trace replica
 # functions in threads of their own, which a thread-local stack does not reach.
-_GRAPH_WRAPPERS: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = (
-    weakref.WeakKeyDictionary()
-)
+_GRAPH_WRAPPERS: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 def graph_body_wrappers() -> weakref.WeakKeyDictionary[Any, Callable[..., Any]]:
@@ -144,7 +142,9 @@ def graph_section(guards: Sequence[Guard], fn: Callable[[], Any], after: Any = (
 
 
 def lock_section(
-    ordered: list[SectionLock], fn: Callable[[], Any], after: Any = (),
+    ordered: list[SectionLock],
+    fn: Callable[[], Any],
+    after: Any = (),
     compiled_call: bool = False,
 ) -> Any:
     """:func:`graph_section` over locks already sorted in the global order.
@@ -233,8 +233,7 @@ def _traced_section(
                     released.append(tfi.consume_mutex_lock(token))
         with tf.control_dependencies(released):
             leaves = [
-                tf.identity(x) if isinstance(x, tf.Tensor) else x
-                for x in tf.nest.flatten(result)
+                tf.identity(x) if isinstance(x, tf.Tensor) else x for x in tf.nest.flatten(result)
             ]
     return tf.nest.pack_sequence_as(result, leaves)
 
@@ -318,7 +317,9 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
             _record_xla_locks(graph, locks)
             return original(self, tensor_inputs, captured_inputs)
         return lock_section(
-            locks, lambda: original(self, tensor_inputs, captured_inputs), tensor_inputs,
+            locks,
+            lambda: original(self, tensor_inputs, captured_inputs),
+            tensor_inputs,
             compiled_call=True,
         )
 

@@ -84,9 +84,7 @@ def locked(*variables: Any, timeout: float | None = None) -> hold:
     return hold(guards, check_timeout(timeout))
 
 
-def transaction(
-    variables: Sequence[Any], fn: Callable[[], T], timeout: float | None = None
-) -> T:
+def transaction(variables: Sequence[Any], fn: Callable[[], T], timeout: float | None = None) -> T:
     """Runs ``fn()`` atomically over ``variables``, eagerly or inside a ``tf.function``.
 
     Args:

@@ -227,7 +227,7 @@ def _earlier_ops() -> list[Any]:
         return []
     graph = tf.compat.v1.get_default_graph()
     entry = _ORDERED.get(graph)
-    return [] if entry is None else graph.get_operations()[entry[0]:]
+    return [] if entry is None else graph.get_operations()[entry[0] :]
 
 
 class SafeVariable(wrapt.ObjectProxy):
@@ -445,7 +445,10 @@ class SafeVariable(wrapt.ObjectProxy):
         return tensor
 
     def assign(
-        self, value: Any, use_locking: bool | None = None, name: str | None = None,
+        self,
+        value: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
         read_value: bool = True,
     ) -> Any:
         """Assigns a new value, atomically, and adds 1 to :attr:`version`.
@@ -473,22 +476,33 @@ class SafeVariable(wrapt.ObjectProxy):
         return self._assign_op("assign", value, "value", use_locking, name, read_value)
 
     def assign_add(
-        self, delta: Any, use_locking: bool | None = None, name: str | None = None,
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
         read_value: bool = True,
     ) -> Any:
         """Adds ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
         return self._assign_op("assign_add", delta, "delta", use_locking, name, read_value)
 
     def assign_sub(
-        self, delta: Any, use_locking: bool | None = None, name: str | None = None,
+        self,
+        delta: Any,
+        use_locking: bool | None = None,
+        name: str | None = None,
         read_value: bool = True,
     ) -> Any:
         """Subtracts ``delta`` atomically and adds 1 to :attr:`version`. See :meth:`assign`."""
         return self._assign_op("assign_sub", delta, "delta", use_locking, name, read_value)
 
     def _assign_op(
-        self, method: str, value: Any, argument: str, use_locking: bool | None,
-        name: str | None, read_value: bool,
+        self,
+        method: str,
+        value: Any,
+        argument: str,
+        use_locking: bool | None,
+        name: str | None,
+        read_value: bool,
     ) -> Any:
         """The one write path of ``assign``, ``assign_add`` and ``assign_sub``."""
         tensor = self._checked(value, argument)
@@ -496,7 +510,8 @@ class SafeVariable(wrapt.ObjectProxy):
         ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
             return merged_write(
-                ctx, wrapped,
+                ctx,
+                wrapped,
                 lambda v: self._assign_op(method, v, argument, use_locking, name, read_value),
                 tensor,
             )
@@ -512,20 +527,37 @@ class SafeVariable(wrapt.ObjectProxy):
             return self if read_value else None
         wrapped_method = getattr(wrapped, method)
         return self._write(
-            lambda: wrapped_method(tensor, use_locking, name, read_value=False), read_value,
+            lambda: wrapped_method(tensor, use_locking, name, read_value=False),
+            read_value,
             after=tensor,
         )
 
     def _strided_slice_assign(
-        self, begin, end, strides, value, name, begin_mask, end_mask, ellipsis_mask,
-        new_axis_mask, shrink_axis_mask,
+        self,
+        begin,
+        end,
+        strides,
+        value,
+        name,
+        begin_mask,
+        end_mask,
+        ellipsis_mask,
+        new_axis_mask,
+        shrink_axis_mask,
     ):
         wrapped = self.__wrapped__
         return self._write(
             lambda: wrapped._strided_slice_assign(
-                begin=begin, end=end, strides=strides, value=value, name=name,
-                begin_mask=begin_mask, end_mask=end_mask, ellipsis_mask=ellipsis_mask,
-                new_axis_mask=new_axis_mask, shrink_axis_mask=shrink_axis_mask,
+                begin=begin,
+                end=end,
+                strides=strides,
+                value=value,
+                name=name,
+                begin_mask=begin_mask,
+                end_mask=end_mask,
+                ellipsis_mask=ellipsis_mask,
+                new_axis_mask=new_axis_mask,
+                shrink_axis_mask=shrink_axis_mask,
             ),
             read_value=True,
         )
@@ -535,7 +567,9 @@ class SafeVariable(wrapt.ObjectProxy):
         return tensor_getitem_override._slice_helper_var(self, slice_spec)
 
     def update(
-        self, fn: Callable[[tf.Tensor], Any], name: str | None = None,
+        self,
+        fn: Callable[[tf.Tensor], Any],
+        name: str | None = None,
         timeout: float | None = None,
     ) -> tf.Tensor:
         """Atomic read-modify-write: writes ``fn(current_value)`` and returns it.
@@ -583,7 +617,9 @@ class SafeVariable(wrapt.ObjectProxy):
         return self._update_all([fn], name, timeout)[0]
 
     def _update_all(
-        self, fns: list[Callable[[tf.Tensor], Any]], name: str | None = None,
+        self,
+        fns: list[Callable[[tf.Tensor], Any]],
+        name: str | None = None,
         timeout: float | None = None,
     ) -> list[tf.Tensor]:
         """Applies ``fns`` in order as one critical section; one version per function."""
@@ -598,7 +634,6 @@ class SafeVariable(wrapt.ObjectProxy):
             return results
 
         if tf.executing_eagerly():
-
             handle = self._self_handle if _direct_kernel_writes else None
 
             def read_modify_write() -> list[tf.Tensor]:
@@ -607,8 +642,11 @@ class SafeVariable(wrapt.ObjectProxy):
                 if handle is not None:
                     kernel, op_name = _KERNELS["assign"]
                     guard.write_counted(
-                        kernel, op_name, (handle, results[-1]),
-                        ("validate_shape", self._self_validate_shape), writes=writes,
+                        kernel,
+                        op_name,
+                        (handle, results[-1]),
+                        ("validate_shape", self._self_validate_shape),
+                        writes=writes,
                     )
                 else:
                     wrapped.assign(results[-1], read_value=False)
@@ -689,9 +727,7 @@ class SafeVariable(wrapt.ObjectProxy):
             current = guard.version_var.read_value()
 
             def write() -> tf.Tensor:
-                self._graph_write_body(
-                    lambda: wrapped.assign(tensor, read_value=False), None
-                )
+                self._graph_write_body(lambda: wrapped.assign(tensor, read_value=False), None)
                 return tf.constant(True)
 
             return tf.cond(tf.equal(current, expected), write, lambda: tf.constant(False))
@@ -728,7 +764,10 @@ class SafeVariable(wrapt.ObjectProxy):
         return children
 
     def _export_to_saved_model_graph(
-        self, object_map: Any = None, tensor_map: Any = None, options: Any = None,
+        self,
+        object_map: Any = None,
+        tensor_map: Any = None,
+        options: Any = None,
         **kwargs: Any,
     ) -> list[Any]:
         # The SavedModel maps the *proxy* to the exported copy of the wrapped variable.
@@ -777,7 +816,9 @@ del _method
 
 
 def _to_tensor(
-    value: SafeVariable, dtype: tf.DType | None = None, name: str | None = None,
+    value: SafeVariable,
+    dtype: tf.DType | None = None,
+    name: str | None = None,
     as_ref: bool = False,
 ) -> tf.Tensor:
     # TensorFlow looks conversion functions up by type(value); the proxy's type is not a
@@ -889,8 +930,13 @@ def _index_check(variable: SafeVariable, method: str, args: tuple, kwargs: dict)
     inside = tf.reduce_all(tf.logical_and(indices >= 0, indices < limit))
     return tf.debugging.Assert(
         inside,
-        [f"safevars IndexOutOfRangeError: {method} on variable {name!r}: an index lies "
-         "outside the variable; nothing was written. indices:", indices],
+        [
+            (
+                f"safevars IndexOutOfRangeError: {method} on variable {name!r}: an index lies "
+                "outside the variable; nothing was written. indices:"
+            ),
+            indices,
+        ],
         summarize=16,
     )
 

@@ -58,7 +58,8 @@ def mirrored_strategy(monkeypatch):
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     assert len(devices) >= 2, "conftest must configure two logical CPUs first"
     monkeypatch.setattr(
-        tf.distribute.MirroredStrategy, "_collective_key_base",
+        tf.distribute.MirroredStrategy,
+        "_collective_key_base",
         1_000_000 * next(_COLLECTIVE_KEY_BASES),
     )
     return tf.distribute.MirroredStrategy(devices[:NUM_LOGICAL_CPUS])
@@ -70,7 +71,7 @@ _TIMEOUT_PLUGIN = "timeout"  # The name pytest-timeout registers (``-p no:timeou
 _NO_TIMEOUT_MESSAGE = (
     "pytest-timeout is not active, so a test that hangs (a deadlock a thread join does "
     "not catch) blocks this run forever instead of failing after the `timeout` set in "
-    "pyproject.toml. Install the test extra: pip install -e \".[test]\" (and do not pass "
+    'pyproject.toml. Install the test extra: pip install -e ".[test]" (and do not pass '
     "-p no:timeout)."
 )
 

@@ -55,9 +55,14 @@ class TestConstruction:
     def test_bad_arguments_are_refused(self):
         v = tf.Variable(tf.zeros([2]))
         for kwargs in (
-            {"reduction": "max"}, {"on_stale": "ignore"}, {"nonfinite": "zero"},
-            {"num_required": 0}, {"num_required": 1.5}, {"max_staleness": -1},
-            {"max_staleness": True}, {"deterministic": "yes"},
+            {"reduction": "max"},
+            {"on_stale": "ignore"},
+            {"nonfinite": "zero"},
+            {"num_required": 0},
+            {"num_required": 1.5},
+            {"max_staleness": -1},
+            {"max_staleness": True},
+            {"deterministic": "yes"},
         ):
             with pytest.raises(InvalidArgumentError):
                 GradientAccumulator([v], **kwargs)
@@ -270,7 +275,7 @@ class TestDeterminism:
         for count in counts:
             # float32 multiples of 2**-13 below 2**10: float64 sums them exactly, so
             # numpy's float64 mean rounded to float32 is the exact answer.
-            grads = rng.integers(-2**23, 2**23, (count, 2, 5)) / 2.0**13
+            grads = rng.integers(-(2**23), 2**23, (count, 2, 5)) / 2.0**13
             for g in grads:
                 add(tf.constant(g, tf.float32))
             expected = (grads.sum(axis=0) / count).astype(np.float32)
@@ -287,12 +292,12 @@ class TestDeterminism:
 
         rng = np.random.default_rng(5)
         dynamic = tf.function(
-            _reproducible_sum, autograph=False,
-            input_signature=[tf.TensorSpec([None, 6], tf.float32),
-                             tf.TensorSpec([], tf.int64)],
+            _reproducible_sum,
+            autograph=False,
+            input_signature=[tf.TensorSpec([None, 6], tf.float32), tf.TensorSpec([], tf.int64)],
         )
         for rows in (1, 2, 3, 4, 5, 7, 9, 13):
-            data = (rng.standard_normal((rows, 6)) * 10.0 ** rng.uniform(-25, 25, (rows, 6)))
+            data = rng.standard_normal((rows, 6)) * 10.0 ** rng.uniform(-25, 25, (rows, 6))
             data = data.astype(np.float32)
             for count in sorted({1, rows // 2 or 1, rows}):
                 static = _reproducible_sum(tf.constant(data), tf.constant(count, tf.int64))
@@ -334,13 +339,15 @@ class TestKerasMicroBatches:
         import keras
 
         keras.utils.set_random_seed(7)
-        model = keras.Sequential([
-            keras.Input((5,), dtype="int32"),
-            keras.layers.Embedding(50, 8),
-            keras.layers.Flatten(),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(3),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="tanh"),
+                keras.layers.Dense(3),
+            ]
+        )
         x = tf.random.uniform([32, 5], 0, 50, tf.int32, seed=1)
         y = tf.random.uniform([32], 0, 3, tf.int32, seed=2)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -11,17 +11,16 @@ MirroredStrategy is covered in test_accumulator.py.
 
 from __future__ import annotations
 
-
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
+from cluster_harness import run_together, script
 from distributed.accumulator_ps import counted_contributions, hard_contributions
 
 from safevars.accumulator import GradientAccumulator
 from safevars.distribute import SUPPORTED_STRATEGIES
 from safevars.errors import UnsupportedStrategyError
-from cluster_harness import run_together, script
 
 SEED = 11
 PS_WORKERS, PS_TASKS, PS_COUNT, PS_ROUNDS = 3, 2, 48, 40
@@ -33,13 +32,30 @@ CLUSTER_TIMEOUT = 90.0  # Seconds for both clusters (all their processes) to fin
 def clusters() -> dict:
     """One ParameterServerStrategy cluster and one 2-process MultiWorkerMirroredStrategy
     cluster, run at the same time."""
-    ps = [script("accumulator_ps.py"), "--seed", str(SEED),
-          "--workers", str(PS_WORKERS), "--ps", str(PS_TASKS), "--count", str(PS_COUNT),
-          "--rounds", str(PS_ROUNDS)]
+    ps = [
+        script("accumulator_ps.py"),
+        "--seed",
+        str(SEED),
+        "--workers",
+        str(PS_WORKERS),
+        "--ps",
+        str(PS_TASKS),
+        "--count",
+        str(PS_COUNT),
+        "--rounds",
+        str(PS_ROUNDS),
+    ]
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
     mwms = [
-        [script("accumulator_mwms.py"), str(i), ports,
-         "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
+        [
+            script("accumulator_mwms.py"),
+            str(i),
+            ports,
+            "--seed",
+            str(SEED),
+            "--steps",
+            str(MWMS_STEPS),
+        ]
         for i in range(MWMS_WORKERS)
     ]
     results = run_together([ps] + mwms, CLUSTER_TIMEOUT, dump_after=True)
@@ -59,8 +75,9 @@ def split(row: np.ndarray) -> list[tf.Tensor]:
 
 def reference(rows: np.ndarray, **kwargs) -> list[str]:
     """What one local accumulator takes after adding ``rows`` in index order."""
-    acc = GradientAccumulator([tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([2]))],
-                              **kwargs)
+    acc = GradientAccumulator(
+        [tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([2]))], **kwargs
+    )
     for row in rows:
         acc.add(split(row))
     return hexes(acc.take())
@@ -95,8 +112,10 @@ class TestParameterServer:
         assert run["loop_workers"] == [list(range(PS_WORKERS))] * 2
         assert run["loop_takes"] == [want, want]
         # The data is order-sensitive: float32 sums in the two schedules' orders differ.
-        naive = [np.add.reduce(rows[order], axis=0, dtype=np.float32).tobytes()
-                 for order in run["orders"]]
+        naive = [
+            np.add.reduce(rows[order], axis=0, dtype=np.float32).tobytes()
+            for order in run["orders"]
+        ]
         assert run["orders"][0] != run["orders"][1] and naive[0] != naive[1]
         # And the result is the mean within float32 rounding.
         exact_mean = rows.astype(np.float64).mean(axis=0)
@@ -156,7 +175,7 @@ class TestMultiWorkerMirrored:
     def test_workers_take_the_same_bits_as_one_local_accumulator(self, clusters):
         rows = hard_contributions(MWMS_STEPS * MWMS_WORKERS + MWMS_WORKERS, SEED)
         graph = reference(rows[: MWMS_STEPS * MWMS_WORKERS])
-        eager = reference(rows[MWMS_STEPS * MWMS_WORKERS:])
+        eager = reference(rows[MWMS_STEPS * MWMS_WORKERS :])
         for result in clusters["mwms"]:
             assert result["graph_take"] == graph
             assert result["replica_takes"] == [eager]  # take inside strategy.run

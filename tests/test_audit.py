@@ -14,12 +14,12 @@ import threading
 
 import pytest
 import tensorflow as tf
+from threading_harness import JOIN_TIMEOUT, run_threads
 
 import safevars
 from safevars import SafeVariable
 from safevars.audit import CONCURRENT_WRITE, LOST_UPDATE, AuditReport, Race, audit
 from safevars.errors import InvalidArgumentError, RaceDetectedError
-from threading_harness import JOIN_TIMEOUT, run_threads
 
 # The module itself (``safevars.audit`` is the function once the package re-exports it).
 audit_module = importlib.import_module("safevars.audit")
@@ -336,8 +336,7 @@ def test_invalid_arguments_are_refused():
 
 def _current_functions() -> dict[tuple[type, str], object]:
     return {
-        (owner, name): owner.__dict__[name]
-        for owner, name, _ in audit_module._patch_targets()
+        (owner, name): owner.__dict__[name] for owner, name, _ in audit_module._patch_targets()
     }
 
 

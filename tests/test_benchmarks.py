@@ -46,8 +46,19 @@ from benchmarks.timing import (  # noqa: E402
 )
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
-TINY = ["--quick", "--rounds", "2", "--min-time", "0.002", "--warmup", "0.002",
-        "--sizes", "1,1000", "--threads", "1,2"]
+TINY = [
+    "--quick",
+    "--rounds",
+    "2",
+    "--min-time",
+    "0.002",
+    "--warmup",
+    "0.002",
+    "--sizes",
+    "1,1000",
+    "--threads",
+    "1,2",
+]
 SAFE_CONTENTION_VARIANTS = ("SafeVariable.update", "safevars.locked", "threading.Lock")
 
 
@@ -80,26 +91,28 @@ def fake_details(gpu: Any) -> dict[str, Any]:
 
 
 GPU = devices.DeviceChoice(
-    "gpu", "/GPU:0", "NVIDIA A100-SXM4-40GB",
+    "gpu",
+    "/GPU:0",
+    "NVIDIA A100-SXM4-40GB",
     {"visible_gpus": 1, "compute_capability": "8.0"},
 )
 CPU = devices.DeviceChoice("cpu", "/CPU:0", "test CPU", {"visible_gpus": 0})
 
 FAKE_FAMILIES = {
-    "bench_alpha.py": '''
+    "bench_alpha.py": """
         from benchmarks.case import Case
         FAMILY = "alpha"
         DESCRIPTION = "two variants"
         def cases(ctx):
             return [Case("alpha", "add", {"plain": lambda: 1, "safe": lambda: {"lost": 0}},
                          goal=("safe", 1.10))]
-    ''',
-    "bench_broken.py": '''
+    """,
+    "bench_broken.py": """
         FAMILY = "broken"
         DESCRIPTION = "fails to import"
         import a_module_that_does_not_exist_anywhere
-    ''',
-    "bench_raising.py": '''
+    """,
+    "bench_raising.py": """
         from benchmarks.case import Case
         FAMILY = "raising"
         ORDER = 1
@@ -109,8 +122,8 @@ FAKE_FAMILIES = {
             return [Case("raising", "bad", {"plain": lambda: 1, "bad": boom}),
                     Case("raising", "good", {"plain": lambda: 1, "other": lambda: 2}),
                     Case("raising", "bad goal", {"plain": lambda: 1}, goal=("plain", "<", 1))]
-    ''',
-    "bench_counted.py": '''
+    """,
+    "bench_counted.py": """
         import itertools
         from benchmarks.case import Case
         FAMILY = "counted"
@@ -121,18 +134,18 @@ FAKE_FAMILIES = {
             return [Case("counted", "pair", {"plain": lambda: 1,
                                              "safe": lambda: {"build": build}},
                          goal=("safe", ">=", 0.5))]
-    ''',
-    "bench_optional.py": '''
+    """,
+    "bench_optional.py": """
         from benchmarks.case import Case
         FAMILY = "optional"
         DEFAULT = False
         def cases(ctx):
             return [Case("optional", "only", {"plain": lambda: 1})]
-    ''',
-    "bench_nameless.py": '''
+    """,
+    "bench_nameless.py": """
         def cases(ctx):
             return []
-    ''',
+    """,
 }
 
 
@@ -158,7 +171,13 @@ def tiny_settings() -> TimingSettings:
 def test_discovery_reads_families_without_importing_them(fake_package):
     by_name = {f.name: f for f in fake_package}
     assert [f.name for f in fake_package] == [  # ORDER first, then by file name.
-        "raising", "alpha", "broken", "counted", "nameless", "optional"]
+        "raising",
+        "alpha",
+        "broken",
+        "counted",
+        "nameless",
+        "optional",
+    ]
     assert by_name["broken"].problem is None  # Found statically; fails only on import.
     assert by_name["optional"].default is False
     assert "defines no FAMILY" in by_name["nameless"].problem
@@ -221,8 +240,13 @@ def test_gpu_requested_without_gpu_names_the_fix(monkeypatch):
 
 def test_cli_gpu_requested_without_gpu_exits_2(fake_package, tmp_path):
     err = io.StringIO()
-    code = cli.main(["--device", "gpu", "--out", str(tmp_path / "out")],
-                    stdout=io.StringIO(), stderr=err, gpus=[], families=fake_package)
+    code = cli.main(
+        ["--device", "gpu", "--out", str(tmp_path / "out")],
+        stdout=io.StringIO(),
+        stderr=err,
+        gpus=[],
+        families=fake_package,
+    )
     assert code == 2
     assert "--device cpu" in err.getvalue()
     assert not (tmp_path / "out").exists()
@@ -251,7 +275,9 @@ def test_device_sync_only_on_gpu():
 def test_gpu_metadata_is_recorded_and_valid():
     meta = metadata.collect(GPU, quick=True, command="python -m benchmarks --quick")
     assert meta["device"] == {
-        "kind": "gpu", "name": "NVIDIA A100-SXM4-40GB", "tf_device": "/GPU:0",
+        "kind": "gpu",
+        "name": "NVIDIA A100-SXM4-40GB",
+        "tf_device": "/GPU:0",
         "details": {"visible_gpus": 1, "compute_capability": "8.0"},
     }
     assert meta["mode"] == "quick"
@@ -270,10 +296,15 @@ def test_git_state_outside_a_repository_is_unknown(tmp_path):
 
 def test_device_is_synced_before_every_clock_read_on_gpu():
     log: list[str] = []
-    case = Case("f", "c", {"a": lambda: log.append("call a"), "b": lambda: log.append("call b")},
-                sync=lambda: log.append("case sync"))
-    timings = measure(case, tiny_settings(), clock=FakeClock(log),
-                      device_sync=lambda: log.append("device sync"))
+    case = Case(
+        "f",
+        "c",
+        {"a": lambda: log.append("call a"), "b": lambda: log.append("call b")},
+        sync=lambda: log.append("case sync"),
+    )
+    timings = measure(
+        case, tiny_settings(), clock=FakeClock(log), device_sync=lambda: log.append("device sync")
+    )
     reads = [i for i, event in enumerate(log) if event == "clock"]
     assert reads
     assert all(i > 0 and log[i - 1] == "device sync" for i in reads)
@@ -309,11 +340,19 @@ def test_extra_figures_are_recorded_per_round():
 
 
 def test_case_result_ratios_and_goal():
-    case = Case("f", "c", {"plain": lambda: 0, "safe": lambda: 0, "lock": lambda: 0},
-                ops_per_call=2, goal=("safe", 1.10), goal_reference="lock")
-    timings = [VariantTiming("plain", 1, [1.0, 2.0, 3.0]),
-               VariantTiming("safe", 1, [2.0, 4.0, 6.0]),
-               VariantTiming("lock", 1, [2.0, 2.0, 2.0])]
+    case = Case(
+        "f",
+        "c",
+        {"plain": lambda: 0, "safe": lambda: 0, "lock": lambda: 0},
+        ops_per_call=2,
+        goal=("safe", 1.10),
+        goal_reference="lock",
+    )
+    timings = [
+        VariantTiming("plain", 1, [1.0, 2.0, 3.0]),
+        VariantTiming("safe", 1, [2.0, 4.0, 6.0]),
+        VariantTiming("lock", 1, [2.0, 2.0, 2.0]),
+    ]
     result = runner.case_result(case, "f", timings, 0.5)
     plain, safe, _ = result["variants"]
     assert plain["ratio_to_baseline"] == 1.0 and safe["ratio_to_baseline"] == 2.0
@@ -341,8 +380,9 @@ def test_interval_of_an_exact_multiple_is_that_multiple():
     assert interval == pytest.approx((1.3, 1.3), rel=1e-12)
 
 
-def coverage_and_widths(load: float, noise: float, datasets: int = 150, rounds: int = 25,
-                        true_ratio: float = 1.2) -> tuple[float, float, float]:
+def coverage_and_widths(
+    load: float, noise: float, datasets: int = 150, rounds: int = 25, true_ratio: float = 1.2
+) -> tuple[float, float, float]:
     """Synthetic paired rounds: a per-round slow-down shared by both variants (the
     machine's load, log-normal with sigma ``load``) times independent noise (sigma
     ``noise``); the variant's true median is ``true_ratio`` times the reference's.
@@ -397,10 +437,14 @@ def test_repetitions_are_resampled_separately():
 
 
 def test_pool_concatenates_repetitions_and_records_blocks():
-    first = [VariantTiming("base", 3, [1.0, 2.0], [{}, {}], [2], [3]),
-             VariantTiming("x", 5, [2.0, 4.0], [{"n": 1}, {"n": 2}], [2], [5])]
-    second = [VariantTiming("base", 4, [3.0, 3.0, 3.0], [{}] * 3, [3], [4]),
-              VariantTiming("x", 6, [6.0, 6.0, 6.0], [{"n": 3}] * 3, [3], [6])]
+    first = [
+        VariantTiming("base", 3, [1.0, 2.0], [{}, {}], [2], [3]),
+        VariantTiming("x", 5, [2.0, 4.0], [{"n": 1}, {"n": 2}], [2], [5]),
+    ]
+    second = [
+        VariantTiming("base", 4, [3.0, 3.0, 3.0], [{}] * 3, [3], [4]),
+        VariantTiming("x", 6, [6.0, 6.0, 6.0], [{"n": 3}] * 3, [3], [6]),
+    ]
     base, x = pool([first, second])
     assert x.samples == [2.0, 4.0, 6.0, 6.0, 6.0] and x.rounds == [2, 3]
     assert x.calls_per_batch_blocks == [5, 6] and x.extra == {"n": 3}
@@ -440,16 +484,21 @@ def test_goal_forms():
 def test_goal_verdicts_from_samples():
     rng = np.random.default_rng(2)
     base = list(np.exp(rng.normal(0, 0.02, 25)))
-    timings = [VariantTiming("plain", 1, base), VariantTiming("fast", 1, [x * 0.5 for x in base]),
-               VariantTiming("slow", 1, [x * 1.5 for x in base])]
+    timings = [
+        VariantTiming("plain", 1, base),
+        VariantTiming("fast", 1, [x * 0.5 for x in base]),
+        VariantTiming("slow", 1, [x * 1.5 for x in base]),
+    ]
     variants = {t.name: int for t in timings}
     outcomes = {}
     for goal in (("fast", 1.10), ("slow", 1.10), ("fast", ">=", 1.0), ("slow", ">=", 1.0)):
         result = runner.case_result(Case("f", "c", variants, goal=goal), "f", timings, 0.1)
         outcomes[goal] = (result["goal"]["verdict"], result["goal"]["met"])
     assert outcomes == {
-        ("fast", 1.10): ("met", True), ("slow", 1.10): ("missed", False),
-        ("fast", ">=", 1.0): ("missed", False), ("slow", ">=", 1.0): ("met", True),
+        ("fast", 1.10): ("met", True),
+        ("slow", 1.10): ("missed", False),
+        ("fast", ">=", 1.0): ("missed", False),
+        ("slow", ">=", 1.0): ("met", True),
     }
 
 
@@ -459,8 +508,13 @@ def test_goal_verdicts_from_samples():
 def test_failing_families_are_reported_and_the_run_goes_on(fake_package):
     selected = discovery.select(fake_package, "alpha,broken,raising,nameless")
     progress = io.StringIO()
-    results = runner.run_families(selected, devices.make_context(CPU, True), tiny_settings(),
-                                  progress=progress, clock=FakeClock([]))
+    results = runner.run_families(
+        selected,
+        devices.make_context(CPU, True),
+        tiny_settings(),
+        progress=progress,
+        clock=FakeClock([]),
+    )
     by_name = {r["name"]: r for r in results}
     assert by_name["alpha"]["status"] == "ok"
     assert by_name["alpha"]["cases"][0]["variants"][1]["extra"] == {"lost": 0}
@@ -477,9 +531,20 @@ def test_failing_families_are_reported_and_the_run_goes_on(fake_package):
 
 def test_cli_with_failures_writes_everything_and_exits_1(fake_package, tmp_path, capsys):
     out = tmp_path / "out"
-    code = cli.main(["--quick", "--rounds", "2", "--out", str(out), "--no-plots",
-                     "--cases", "alpha,broken,raising"],
-                    families=fake_package, select_device=lambda *a, **k: CPU)
+    code = cli.main(
+        [
+            "--quick",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--cases",
+            "alpha,broken,raising",
+        ],
+        families=fake_package,
+        select_device=lambda *a, **k: CPU,
+    )
     assert code == 1
     captured = capsys.readouterr()
     document = json.loads((out / "results.json").read_text())
@@ -496,9 +561,14 @@ def test_cli_with_failures_writes_everything_and_exits_1(fake_package, tmp_path,
 def test_repeat_rebuilds_the_cases_and_pools_their_rounds(fake_package):
     selected = discovery.select(fake_package, "counted")
     progress = io.StringIO()
-    (family,) = runner.run_families(selected, devices.make_context(CPU, True),
-                                    tiny_settings(), progress=progress,
-                                    clock=FakeClock([]), repeat=3)
+    (family,) = runner.run_families(
+        selected,
+        devices.make_context(CPU, True),
+        tiny_settings(),
+        progress=progress,
+        clock=FakeClock([]),
+        repeat=3,
+    )
     (case,) = family["cases"]
     assert case["repetitions"] == 3
     for variant in case["variants"]:
@@ -509,15 +579,29 @@ def test_repeat_rebuilds_the_cases_and_pools_their_rounds(fake_package):
     assert case["goal"]["rounds"] == 9 and case["goal"]["operator"] == ">="
     assert "[repetition 3/3][1/1 counted]" in progress.getvalue()
     with pytest.raises(ValueError):
-        runner.run_families(selected, devices.make_context(CPU, True), tiny_settings(),
-                            progress=progress, repeat=0)
+        runner.run_families(
+            selected, devices.make_context(CPU, True), tiny_settings(), progress=progress, repeat=0
+        )
 
 
 def test_cli_repeat_reports_pooled_intervals_and_verdicts(fake_package, tmp_path, capsys):
     out = tmp_path / "out"
-    code = cli.main(["--quick", "--rounds", "3", "--repeat", "2", "--out", str(out),
-                     "--no-plots", "--cases", "alpha,counted"],
-                    families=fake_package, select_device=lambda *a, **k: CPU)
+    code = cli.main(
+        [
+            "--quick",
+            "--rounds",
+            "3",
+            "--repeat",
+            "2",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--cases",
+            "alpha,counted",
+        ],
+        families=fake_package,
+        select_device=lambda *a, **k: CPU,
+    )
     assert code == 0
     captured = capsys.readouterr()
     document = json.loads((out / "results.json").read_text())
@@ -548,15 +632,26 @@ def test_cli_repeat_reports_pooled_intervals_and_verdicts(fake_package, tmp_path
 
 def test_report_shows_each_ratio_with_its_interval_and_the_verdict():
     case = Case("f", "c", {"plain": int, "safe": int}, goal=("safe", 1.10))
-    timings = [VariantTiming("plain", 1, [1.0, 1.0, 1.0, 1.0]),
-               VariantTiming("safe", 1, [1.30, 1.32, 1.31, 1.29])]
+    timings = [
+        VariantTiming("plain", 1, [1.0, 1.0, 1.0, 1.0]),
+        VariantTiming("safe", 1, [1.30, 1.32, 1.31, 1.29]),
+    ]
     result = runner.case_result(case, "f", timings, 0.1)
-    family = {"name": "f", "description": "", "module": "m", "default": True,
-              "status": "ok", "error": None, "traceback": None, "duration_s": 0.1,
-              "cases": [result]}
+    family = {
+        "name": "f",
+        "description": "",
+        "module": "m",
+        "default": True,
+        "status": "ok",
+        "error": None,
+        "traceback": None,
+        "duration_s": 0.1,
+        "cases": [result],
+    }
     meta = metadata.collect(CPU, quick=True)
-    document = runner.build_document(meta, tiny_settings(), devices.make_context(CPU, True),
-                                     [family])
+    document = runner.build_document(
+        meta, tiny_settings(), devices.make_context(CPU, True), [family]
+    )
     assert schema.validate(document) == []
     low, high = result["variants"][1]["ratio_to_baseline_ci_95"]
     shown = f"{result['variants'][1]['ratio_to_baseline']:.2f} [{low:.2f}, {high:.2f}]"
@@ -567,11 +662,14 @@ def test_report_shows_each_ratio_with_its_interval_and_the_verdict():
 
 def test_cli_gpu_path_with_fake_gpu(fake_package, tmp_path, capsys):
     out = tmp_path / "out"
-    code = cli.main(["--quick", "--rounds", "1", "--out", str(out), "--no-plots",
-                     "--cases", "alpha"],
-                    families=fake_package, gpus=[FakeGPU()],
-                    select_device=lambda requested, gpus: devices.select_device(
-                        requested, gpus=gpus, details=fake_details))
+    code = cli.main(
+        ["--quick", "--rounds", "1", "--out", str(out), "--no-plots", "--cases", "alpha"],
+        families=fake_package,
+        gpus=[FakeGPU()],
+        select_device=lambda requested, gpus: devices.select_device(
+            requested, gpus=gpus, details=fake_details
+        ),
+    )
     assert code == 0
     document = json.loads((out / "results.json").read_text())
     assert schema.validate(document) == []
@@ -603,11 +701,23 @@ def test_schema_rejects_broken_documents():
 def test_schema_checks_intervals_and_verdicts():
     case = Case("f", "c", {"plain": int, "safe": int}, goal=("safe", 1.10))
     timings = [VariantTiming("plain", 1, [1.0, 1.1, 0.9]), VariantTiming("safe", 1, [1.0] * 3)]
-    family = {"name": "f", "description": "", "module": "m", "default": True, "status": "ok",
-              "error": None, "traceback": None, "duration_s": 0.1,
-              "cases": [runner.case_result(case, "f", timings, 0.1)]}
-    document = runner.build_document(metadata.collect(CPU, quick=True), tiny_settings(),
-                                     devices.make_context(CPU, True), [family])
+    family = {
+        "name": "f",
+        "description": "",
+        "module": "m",
+        "default": True,
+        "status": "ok",
+        "error": None,
+        "traceback": None,
+        "duration_s": 0.1,
+        "cases": [runner.case_result(case, "f", timings, 0.1)],
+    }
+    document = runner.build_document(
+        metadata.collect(CPU, quick=True),
+        tiny_settings(),
+        devices.make_context(CPU, True),
+        [family],
+    )
     assert schema.validate(document) == []
     bad = json.loads(json.dumps(document))
     bad["goals"][0]["verdict"] = "almost"
@@ -615,8 +725,12 @@ def test_schema_checks_intervals_and_verdicts():
     bad["goals"][0]["versus_ci_95"]["plain"] = "wide"
     bad["families"][0]["cases"][0]["variants"][1]["ratio_to_baseline_ci_95"] = [1.0]
     problems = schema.validate(bad)
-    for where in ("goals[0].verdict", "goals[0].ratio_ci_95", "versus_ci_95.plain",
-                  "variants[1].ratio_to_baseline_ci_95"):
+    for where in (
+        "goals[0].verdict",
+        "goals[0].ratio_ci_95",
+        "versus_ci_95.plain",
+        "variants[1].ratio_to_baseline_ci_95",
+    ):
         assert any(where in p for p in problems), (where, problems)
     printed = io.StringIO()
     assert cli.main(["--schema"], stdout=printed) == 0
@@ -635,12 +749,17 @@ def thread_family(workloads: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     cases = []
     for workload, counts in workloads.items():
         for threads in counts:
-            cases.append({
-                "name": f"{workload}/{threads}", "status": "ok",
-                "params": {"op": workload, "threads": threads},
-                "variants": [{"name": n, "ops_per_s": 1000.0 * threads / (i + 1)}
-                             for i, n in enumerate(("plain", "safe"))],
-            })
+            cases.append(
+                {
+                    "name": f"{workload}/{threads}",
+                    "status": "ok",
+                    "params": {"op": workload, "threads": threads},
+                    "variants": [
+                        {"name": n, "ops_per_s": 1000.0 * threads / (i + 1)}
+                        for i, n in enumerate(("plain", "safe"))
+                    ],
+                }
+            )
     return {"name": "fam", "cases": cases}
 
 
@@ -648,8 +767,7 @@ def test_throughput_plot_draws_only_what_varies_with_threads(tmp_path):
     plt = plots._pyplot(io.StringIO())
     # The run that gave a 7260x462 image: one contention workload over 1, 2, 4, 8
     # threads and ten single-thread cases.
-    family = thread_family({"contention": (1, 2, 4, 8),
-                            **{f"audit{i}": (1,) for i in range(10)}})
+    family = thread_family({"contention": (1, 2, 4, 8), **{f"audit{i}": (1,) for i in range(10)}})
     fig = plots.throughput_figure(plt, [family])
     assert len(fig.axes) == 1
     plt.close(fig)
@@ -697,7 +815,11 @@ def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks", *TINY, "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUITE_TIMEOUT,
     )
     return completed, out
 

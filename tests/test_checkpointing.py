@@ -14,10 +14,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import run_threads
 
 
 def _pair():
@@ -200,5 +200,7 @@ def test_a_safe_optimizer_checkpointed_while_it_steps_pairs_weights_and_iteratio
         twin = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
         twin_opt = keras.optimizers.SGD(1.0)
         twin_opt.build([twin.layers[0].kernel])
-        tf.train.Checkpoint(model=twin, optimizer=twin_opt).read(path).assert_existing_objects_matched()
+        tf.train.Checkpoint(model=twin, optimizer=twin_opt).read(
+            path
+        ).assert_existing_objects_matched()
         assert twin.layers[0].kernel.numpy().item() + int(twin_opt.iterations) == 100.0

@@ -29,8 +29,10 @@ SEED = 1234
 
 
 def epoch_ids(data: ShardedInput, epoch: int) -> list[list[int]]:
-    return [data.shard_ids(epoch, *divmod(g, data.replicas_per_worker)).tolist()
-            for g in range(data.num_shards)]
+    return [
+        data.shard_ids(epoch, *divmod(g, data.replicas_per_worker)).tolist()
+        for g in range(data.num_shards)
+    ]
 
 
 def drain(data: ShardedInput, worker: int = 0, replica: int = 0, **kwargs) -> list:
@@ -54,8 +56,13 @@ class TestLayout:
         for remainder in REMAINDER_POLICIES:
             if size < shards and remainder != "pad":
                 continue
-            data = ShardedInput(size, seed=SEED, num_workers=workers,
-                                replicas_per_worker=replicas, remainder=remainder)
+            data = ShardedInput(
+                size,
+                seed=SEED,
+                num_workers=workers,
+                replicas_per_worker=replicas,
+                remainder=remainder,
+            )
             for epoch in (0, 1):
                 ids = epoch_ids(data, epoch)
                 flat = [i for shard in ids for i in shard]
@@ -69,17 +76,17 @@ class TestLayout:
                 else:  # pad: every element, then the epoch's first shards - r again
                     assert lengths == [q + (r > 0)] * shards
                     assert set(flat) == set(range(size))
-                    extra = (collections.Counter(flat) - collections.Counter(range(size)))
+                    extra = collections.Counter(flat) - collections.Counter(range(size))
                     firsts = [shard[0] for shard in ids][: (shards - r) % shards]
                     assert sorted(extra.elements()) == sorted(firsts)
                 for g, shard in enumerate(ids):
                     assert data.shard_length(*divmod(g, replicas)) == len(shard)
 
     def test_dropped_elements_change_every_epoch(self):
-        data = ShardedInput(23, seed=SEED, num_workers=2, replicas_per_worker=2,
-                            remainder="drop")
-        missing = [frozenset(range(23)) - {i for s in epoch_ids(data, e) for i in s}
-                   for e in range(4)]
+        data = ShardedInput(23, seed=SEED, num_workers=2, replicas_per_worker=2, remainder="drop")
+        missing = [
+            frozenset(range(23)) - {i for s in epoch_ids(data, e) for i in s} for e in range(4)
+        ]
         assert all(len(m) == 3 for m in missing) and len(set(missing)) > 1
 
     def test_shards_are_strided_slots_of_one_epoch_order(self):
@@ -129,10 +136,14 @@ class TestPipeline:
         want = ids.shard_ids(0, 1, 1).tolist() + ids.shard_ids(1, 1, 1).tolist()
         sources = {
             "ids": (30, lambda e: e),
-            "tensors": (features, lambda e: [v // 10 for v in e["x"]] if batch_size
-                        else e["x"] // 10),
-            "dataset": (tf.data.Dataset.from_tensor_slices(table).map(lambda v: v + 1),
-                        lambda e: [(v - 1) // 10 for v in e] if batch_size else (e - 1) // 10),
+            "tensors": (
+                features,
+                lambda e: [v // 10 for v in e["x"]] if batch_size else e["x"] // 10,
+            ),
+            "dataset": (
+                tf.data.Dataset.from_tensor_slices(table).map(lambda v: v + 1),
+                lambda e: [(v - 1) // 10 for v in e] if batch_size else (e - 1) // 10,
+            ),
         }
         for name, (source, to_id) in sources.items():
             data = ShardedInput(source, seed=SEED, num_workers=2, replicas_per_worker=2)
@@ -143,8 +154,14 @@ class TestPipeline:
                 assert [len(to_id(b)) for b in got] == [3, 3, 1, 3, 3, 1], name
 
     def test_map_fn_and_weights(self):
-        data = ShardedInput(10, seed=SEED, num_workers=4, remainder="pad",
-                            map_fn=lambda i: i * 2, with_weights=True)
+        data = ShardedInput(
+            10,
+            seed=SEED,
+            num_workers=4,
+            remainder="pad",
+            map_fn=lambda i: i * 2,
+            with_weights=True,
+        )
         got = drain(data, 3, epochs=1)
         assert [x // 2 for x, _ in got] == data.shard_ids(0, 3).tolist()
         assert [w for _, w in got] == [1.0, 1.0, 0.0]  # shard 3 of 10 = 2 * 4 + 2 pads
@@ -154,6 +171,7 @@ class TestPipeline:
             def sleep(v):
                 time.sleep(random.random() * 0.002)
                 return v
+
             return tf.numpy_function(sleep, [i], tf.int64, stateful=True)
 
         data = ShardedInput(40, seed=SEED, num_workers=2, map_fn=jitter)
@@ -172,8 +190,11 @@ class TestPipeline:
             return data.next(iterator)
 
         got = [step().numpy().tolist() for _ in range(3)]
-        assert got == [data.shard_ids(0, 2).tolist()[:2], data.shard_ids(0, 2).tolist()[2:],
-                       data.shard_ids(1, 2).tolist()[:2]]
+        assert got == [
+            data.shard_ids(0, 2).tolist()[:2],
+            data.shard_ids(0, 2).tolist()[2:],
+            data.shard_ids(1, 2).tolist()[:2],
+        ]
         assert data.position(2) == (1, 2)
 
 
@@ -194,8 +215,7 @@ class TestPosition:
     @pytest.mark.parametrize("batch_size", [None, 4])
     def test_checkpoint_then_a_new_object_continues_exactly(self, tmp_path, batch_size):
         def make():
-            return ShardedInput(np.arange(25) * 3, seed=SEED, num_workers=2,
-                                replicas_per_worker=2)
+            return ShardedInput(np.arange(25) * 3, seed=SEED, num_workers=2, replicas_per_worker=2)
 
         uninterrupted = make()
         want = drain(uninterrupted, 1, 0, batch_size=batch_size, epochs=3)
@@ -309,7 +329,7 @@ class TestMirrored:
                 got[r].append(ids.numpy().tolist())
         for r in range(2):
             want = data.shard_ids(0, 0, r).tolist() + data.shard_ids(1, 0, r).tolist()
-            assert [i for b in got[r] for i in b] == want[:len(sum(got[r], []))]
+            assert [i for b in got[r] for i in b] == want[: len(sum(got[r], []))]
         assert [len(b) for b in got[1]] == [2, 2, 1, 2, 2]  # shard 1 has 5 of 11
         with strategy.scope():
             restored = ShardedInput(11, seed=SEED, remainder="spread")
@@ -333,25 +353,28 @@ def _one_step(strategy, data):
 
 
 class TestErrors:
-    @pytest.mark.parametrize("kwargs, argument", [
-        (dict(source=-1), "source"),
-        (dict(source=0), "source"),
-        (dict(source=True), "source"),
-        (dict(source="abc"), "source"),
-        (dict(source=object()), "source"),
-        (dict(source={"a": np.zeros(3), "b": np.zeros(4)}), "source"),
-        (dict(source=np.float32(1.0)), "source"),
-        (dict(source=tf.data.Dataset.range(3).repeat()), "source"),
-        (dict(source=tf.data.Dataset.range(6).filter(lambda i: i > 2)), "source"),
-        (dict(source=10, seed=-1), "seed"),
-        (dict(source=10, seed=1.5), "seed"),
-        (dict(source=10, remainder="wrap"), "remainder"),
-        (dict(source=10, num_workers=0), "num_workers"),
-        (dict(source=10, replicas_per_worker=-2), "replicas_per_worker"),
-        (dict(source=10, shuffle="yes"), "shuffle"),
-        (dict(source=10, with_weights=1), "with_weights"),
-        (dict(source=3, num_workers=4), "remainder='pad'"),
-    ])
+    @pytest.mark.parametrize(
+        "kwargs, argument",
+        [
+            (dict(source=-1), "source"),
+            (dict(source=0), "source"),
+            (dict(source=True), "source"),
+            (dict(source="abc"), "source"),
+            (dict(source=object()), "source"),
+            (dict(source={"a": np.zeros(3), "b": np.zeros(4)}), "source"),
+            (dict(source=np.float32(1.0)), "source"),
+            (dict(source=tf.data.Dataset.range(3).repeat()), "source"),
+            (dict(source=tf.data.Dataset.range(6).filter(lambda i: i > 2)), "source"),
+            (dict(source=10, seed=-1), "seed"),
+            (dict(source=10, seed=1.5), "seed"),
+            (dict(source=10, remainder="wrap"), "remainder"),
+            (dict(source=10, num_workers=0), "num_workers"),
+            (dict(source=10, replicas_per_worker=-2), "replicas_per_worker"),
+            (dict(source=10, shuffle="yes"), "shuffle"),
+            (dict(source=10, with_weights=1), "with_weights"),
+            (dict(source=3, num_workers=4), "remainder='pad'"),
+        ],
+    )
     def test_bad_arguments_name_the_argument(self, kwargs, argument):
         kwargs = {"seed": SEED, **kwargs}
         with pytest.raises(InvalidArgumentError, match=argument) as info:
@@ -359,8 +382,11 @@ class TestErrors:
         assert isinstance(info.value, (SafeVarsError, ValueError))
 
     def test_non_random_access_dataset_names_the_fix(self):
-        source = tf.data.Dataset.range(6).filter(lambda i: i > 2).apply(
-            tf.data.experimental.assert_cardinality(3))
+        source = (
+            tf.data.Dataset.range(6)
+            .filter(lambda i: i > 2)
+            .apply(tf.data.experimental.assert_cardinality(3))
+        )
         with pytest.raises(InvalidArgumentError, match="random access"):
             ShardedInput(source, seed=SEED)
         # With .cache() it works.
@@ -370,15 +396,18 @@ class TestErrors:
         with pytest.raises(NotCallableError, match="map_fn"):
             ShardedInput(10, seed=SEED, map_fn=3)
 
-    @pytest.mark.parametrize("call, argument", [
-        (lambda d: d.dataset(2), "worker"),
-        (lambda d: d.dataset(0, 1), "replica"),
-        (lambda d: d.dataset(-1), "worker"),
-        (lambda d: d.dataset(batch_size=0), "batch_size"),
-        (lambda d: d.dataset(epochs=0), "epochs"),
-        (lambda d: d.shard_ids(-1), "epoch"),
-        (lambda d: d.steps_per_epoch(0), "batch_size"),
-    ])
+    @pytest.mark.parametrize(
+        "call, argument",
+        [
+            (lambda d: d.dataset(2), "worker"),
+            (lambda d: d.dataset(0, 1), "replica"),
+            (lambda d: d.dataset(-1), "worker"),
+            (lambda d: d.dataset(batch_size=0), "batch_size"),
+            (lambda d: d.dataset(epochs=0), "epochs"),
+            (lambda d: d.shard_ids(-1), "epoch"),
+            (lambda d: d.steps_per_epoch(0), "batch_size"),
+        ],
+    )
     def test_bad_pipeline_arguments(self, call, argument):
         data = ShardedInput(10, seed=SEED, num_workers=2)
         with pytest.raises(InvalidArgumentError, match=argument):

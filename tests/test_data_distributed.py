@@ -16,8 +16,8 @@ import functools
 import portpicker
 import pytest
 import tensorflow as tf
-
 from cluster_harness import run_together, script
+
 from safevars.data import ShardedInput
 
 SEED, OTHER_SEED = 2024, 7
@@ -32,10 +32,33 @@ TIMEOUT = 150.0  # Seconds for both clusters together; a bound on a hang, not a 
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("data_clusters")
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-    mwms = [[script("data_mwms.py"), str(i), ports, "--seed", str(SEED), "--other-seed",
-             str(OTHER_SEED), "--out", str(out / "mwms")] for i in range(MWMS_WORKERS)]
-    ps = [script("data_ps.py"), "--seed", str(SEED), "--other-seed", str(OTHER_SEED),
-          "--out", str(out / "ps"), "--size", str(PS_SIZE), "--batch", str(PS_BATCH)]
+    mwms = [
+        [
+            script("data_mwms.py"),
+            str(i),
+            ports,
+            "--seed",
+            str(SEED),
+            "--other-seed",
+            str(OTHER_SEED),
+            "--out",
+            str(out / "mwms"),
+        ]
+        for i in range(MWMS_WORKERS)
+    ]
+    ps = [
+        script("data_ps.py"),
+        "--seed",
+        str(SEED),
+        "--other-seed",
+        str(OTHER_SEED),
+        "--out",
+        str(out / "ps"),
+        "--size",
+        str(PS_SIZE),
+        "--batch",
+        str(PS_BATCH),
+    ]
     *workers, ps_result = run_together(mwms + [ps], TIMEOUT)
     return {"mwms": workers, "ps": ps_result}
 
@@ -43,8 +66,14 @@ def runs(tmp_path_factory) -> dict:
 @functools.cache
 def reference(size: int, seed: int, remainder: str, workers: int, replicas: int) -> ShardedInput:
     """The assignment computed in this process (no strategy, eager)."""
-    return ShardedInput(size, seed=seed, num_workers=workers, replicas_per_worker=replicas,
-                        remainder=remainder, with_weights=True)
+    return ShardedInput(
+        size,
+        seed=seed,
+        num_workers=workers,
+        replicas_per_worker=replicas,
+        remainder=remainder,
+        with_weights=True,
+    )
 
 
 def mwms_reference(remainder: str = "spread", size: int = SPREAD["size"], seed: int = SEED):
@@ -56,8 +85,9 @@ def per_replica(results: list[dict], case: str) -> dict[int, tuple[list, list]]:
     out: dict[int, tuple[list, list]] = {}
     for worker, result in enumerate(results):
         for step in result["cases"][case]:
-            assert [row[0] for row in step] == [worker * LOCAL_REPLICAS + j
-                                               for j in range(LOCAL_REPLICAS)]
+            assert [row[0] for row in step] == [
+                worker * LOCAL_REPLICAS + j for j in range(LOCAL_REPLICAS)
+            ]
             for replica, ids, weights in step:
                 got = out.setdefault(replica, ([], []))
                 got[0].extend(ids)
@@ -74,9 +104,15 @@ class TestMultiWorkerMirrored:
             assert result["replicas"] == MWMS_WORKERS * LOCAL_REPLICAS
             assert set(map(tuple, result["layout"].values())) == {(2, 2, 4)}
 
-    @pytest.mark.parametrize("case, remainder, size", [
-        ("spread", "spread", SPREAD["size"]), ("pad", "pad", SPREAD["size"]),
-        ("drop", "drop", SPREAD["size"]), ("short", "spread", SHORT["size"])])
+    @pytest.mark.parametrize(
+        "case, remainder, size",
+        [
+            ("spread", "spread", SPREAD["size"]),
+            ("pad", "pad", SPREAD["size"]),
+            ("drop", "drop", SPREAD["size"]),
+            ("short", "spread", SHORT["size"]),
+        ],
+    )
     def test_each_replica_gets_its_shard_in_the_seeds_order(self, runs, case, remainder, size):
         got = per_replica(runs["mwms"], case)
         want = mwms_reference(remainder, size)
@@ -127,13 +163,19 @@ class TestMultiWorkerMirrored:
             mine = range(worker * LOCAL_REPLICAS, (worker + 1) * LOCAL_REPLICAS)
             # 4 steps of 2: epoch 0 (3 batches) and one batch of epoch 1, own shards only.
             assert result["positions_at_checkpoint"] == [
-                lengths[g] + 2 if g in mine else 0 for g in range(4)]
+                lengths[g] + 2 if g in mine else 0 for g in range(4)
+            ]
 
     def test_a_new_process_restores_each_workers_checkpoint(self, runs):
         after = per_replica(runs["mwms"], "after_checkpoint")
         for worker, result in enumerate(runs["mwms"]):
-            data = ShardedInput(SPREAD["size"], seed=SEED, num_workers=MWMS_WORKERS,
-                                replicas_per_worker=LOCAL_REPLICAS, with_weights=True)
+            data = ShardedInput(
+                SPREAD["size"],
+                seed=SEED,
+                num_workers=MWMS_WORKERS,
+                replicas_per_worker=LOCAL_REPLICAS,
+                with_weights=True,
+            )
             tf.train.Checkpoint(data=data).read(result["checkpoint"]).assert_consumed()
             for local in range(LOCAL_REPLICAS):
                 batches = data.dataset(worker, local, batch_size=SPREAD["batch"]).take(2)
@@ -184,8 +226,12 @@ class TestParameterServer:
 
     def test_epoch_zero_is_committed_and_trained_exactly_once(self, runs):
         run = runs["ps"]
-        epoch0 = [i for w, pairs in by_shard(run["committed"]).items()
-                  for c, i in pairs if c < run["lengths"][w]]
+        epoch0 = [
+            i
+            for w, pairs in by_shard(run["committed"]).items()
+            for c, i in pairs
+            if c < run["lengths"][w]
+        ]
         assert sorted(epoch0) == list(range(PS_SIZE))
         # The killed step took a batch but neither trained on it nor committed it.
         assert run["trained"][:PS_SIZE] == [1] * PS_SIZE
@@ -195,12 +241,14 @@ class TestParameterServer:
         shard, counter = run["in_flight"]
         assert shard == 1
         assert run["positions_when_killed"][1] == counter  # taken, not committed
-        redelivered = [(w, ids) for w, ids, counters in run["committed"]
-                       if counters[0] == counter and w == 1]
+        redelivered = [
+            (w, ids) for w, ids, counters in run["committed"] if counters[0] == counter and w == 1
+        ]
         assert len(redelivered) == 1  # once, by the restarted worker 1, after the kill
         want = ps_reference()
-        assert redelivered[0][1] == [expected_id(want, 1, counter + k)
-                                     for k in range(len(redelivered[0][1]))]
+        assert redelivered[0][1] == [
+            expected_id(want, 1, counter + k) for k in range(len(redelivered[0][1]))
+        ]
         assert run["phase2_positions"][1] >= run["lengths"][1]
 
     def test_a_restored_pipeline_continues_exactly(self, runs):
@@ -210,7 +258,8 @@ class TestParameterServer:
             start, end = run["at_checkpoint"][worker], run["lengths"][worker]
             assert restored[worker][0][0] == start
             assert [p for p in restored[worker] if p[0] < end] == [
-                p for p in original[worker] if start <= p[0] < end]
+                p for p in original[worker] if start <= p[0] < end
+            ]
 
     def test_a_new_process_restores_the_coordinators_checkpoint(self, runs):
         run = runs["ps"]
@@ -222,7 +271,7 @@ class TestParameterServer:
             assert data.position(worker) == (0, start)
             batches = data.dataset(worker, batch_size=PS_BATCH).take(3)
             ids = [i for x, _ in batches for i in x.numpy().tolist()]
-            assert ids == [i for c, i in original[worker] if c >= start][:len(ids)]
+            assert ids == [i for c, i in original[worker] if c >= start][: len(ids)]
 
     def test_another_seed_gives_another_order(self, runs):
         run = runs["ps"]
@@ -230,7 +279,7 @@ class TestParameterServer:
         same = by_shard(run["committed"])
         for worker, pairs in other.items():
             assert [i for _, i in pairs] == [expected_id(want, worker, c) for c, _ in pairs]
-            assert [i for _, i in pairs] != [i for _, i in same[worker][:len(pairs)]]
+            assert [i for _, i in pairs] != [i for _, i in same[worker][: len(pairs)]]
 
     def test_single_shard_pipelines_are_refused_on_the_coordinator(self, runs):
         error = runs["ps"]["errors"]["dataset"]

@@ -11,10 +11,10 @@ import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
-
-import safevars
 from cluster_harness import run_together, script
 from threading_harness import run_threads
+
+import safevars
 
 SUBPROCESS_TIMEOUT = 300  # Seconds for one cluster (all its processes) to finish.
 

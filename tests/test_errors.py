@@ -50,19 +50,34 @@ MISTAKES = [
     ("assign_sub_shape", FLOAT4, lambda v: v.assign_sub([1.0, 2.0, 3.0])),
     ("assign_strings", FLOAT4, lambda v: v.assign(tf.constant(["a", "b", "c", "d"]))),
     ("assign_int64_tensor", FLOAT4, lambda v: v.assign(tf.constant([1, 2, 3, 4], tf.int64))),
-    ("assign_add_int64_tensor", FLOAT4,
-     lambda v: v.assign_add(tf.constant([1, 2, 3, 4], tf.int64))),
+    (
+        "assign_add_int64_tensor",
+        FLOAT4,
+        lambda v: v.assign_add(tf.constant([1, 2, 3, 4], tf.int64)),
+    ),
     ("int32_assign_float", INT32, lambda v: v.assign(1.5)),
     ("int32_assign_2_64", INT32, lambda v: v.assign(2**64)),
     ("int32_assign_int64_tensor", INT32, lambda v: v.assign(tf.constant(2**40, tf.int64))),
-    ("scatter_update_out_of_range", FLOAT4,
-     lambda v: v.scatter_update(tf.IndexedSlices(tf.constant([9.0, 9.0]), tf.constant([1, 7])))),
-    ("scatter_add_negative", FLOAT4,
-     lambda v: v.scatter_add(tf.IndexedSlices(tf.constant([9.0]), tf.constant([-1])))),
-    ("scatter_nd_update_out_of_range", FLOAT4,
-     lambda v: v.scatter_nd_update([[1], [7]], [8.0, 8.0])),
-    ("scatter_updates_shape", FLOAT4,
-     lambda v: v.scatter_update(tf.IndexedSlices(tf.constant([9.0, 9.0]), tf.constant([1])))),
+    (
+        "scatter_update_out_of_range",
+        FLOAT4,
+        lambda v: v.scatter_update(tf.IndexedSlices(tf.constant([9.0, 9.0]), tf.constant([1, 7]))),
+    ),
+    (
+        "scatter_add_negative",
+        FLOAT4,
+        lambda v: v.scatter_add(tf.IndexedSlices(tf.constant([9.0]), tf.constant([-1]))),
+    ),
+    (
+        "scatter_nd_update_out_of_range",
+        FLOAT4,
+        lambda v: v.scatter_nd_update([[1], [7]], [8.0, 8.0]),
+    ),
+    (
+        "scatter_updates_shape",
+        FLOAT4,
+        lambda v: v.scatter_update(tf.IndexedSlices(tf.constant([9.0, 9.0]), tf.constant([1]))),
+    ),
     ("scatter_not_indexed_slices", FLOAT4, lambda v: v.scatter_update(tf.constant([1.0]))),
 ]
 
@@ -233,8 +248,10 @@ def test_tensorflow_error_attributes_and_pickling():
     "call, error",
     [
         (lambda v: v.assign_add([1.0]), safevars.ShapeMismatchError),
-        (lambda v: v.compare_and_assign([1.0, 1.0], tf.constant(0.5)),
-         safevars.InvalidArgumentError),
+        (
+            lambda v: v.compare_and_assign([1.0, 1.0], tf.constant(0.5)),
+            safevars.InvalidArgumentError,
+        ),
     ],
 )
 def test_tensorflow_classed_errors_keep_their_type_through_autograph(call, error):

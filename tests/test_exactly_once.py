@@ -24,8 +24,21 @@ VARIABLES = ("counter", "a", "b", "w")
 @pytest.fixture(scope="module")
 def cluster() -> dict:
     (result,) = run_together(
-        [[script("exactly_once_ps.py"), "--seed", str(SEED), "--steps", str(STEPS),
-          "--runs", str(RUNS), "--cancel-steps", str(CANCEL_STEPS)]], TIMEOUT)
+        [
+            [
+                script("exactly_once_ps.py"),
+                "--seed",
+                str(SEED),
+                "--steps",
+                str(STEPS),
+                "--runs",
+                str(RUNS),
+                "--cancel-steps",
+                str(CANCEL_STEPS),
+            ]
+        ],
+        TIMEOUT,
+    )
     return result
 
 
@@ -138,11 +151,14 @@ def test_a_write_in_a_replica_function_is_refused_or_applied_once(cluster):
         assert replica["counter"] == 0.0
 
 
-@pytest.mark.parametrize("case, message", [
-    ("loop", "tf.while_loop"),
-    ("nested", "another tf.function ('inner')"),
-    ("traced_before", "traced outside this step"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("loop", "tf.while_loop"),
+        ("nested", "another tf.function ('inner')"),
+        ("traced_before", "traced outside this step"),
+    ],
+)
 def test_sections_that_could_run_twice_per_step_are_refused(cluster, case, message):
     assert cluster["refused"][case].startswith("UnsupportedStrategyError")
     assert message in cluster["refused"][case]

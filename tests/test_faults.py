@@ -22,10 +22,10 @@ import time
 
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import run_threads
 
 
 class Injected(Exception):
@@ -208,8 +208,12 @@ _SIGINT_CHILD = textwrap.dedent(
 def test_sigint_in_a_process_never_orphans_a_lock():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
     child = subprocess.Popen(
-        [sys.executable, "-c", _SIGINT_CHILD], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        [sys.executable, "-c", _SIGINT_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
     )
     rng = random.Random(3)
 

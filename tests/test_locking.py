@@ -12,10 +12,10 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import run_threads
 
 THREADS, ITERATIONS = 8, 1000
 
@@ -68,9 +68,7 @@ def test_random_subsets_in_random_orders_never_deadlock():
                     for v in subset:
                         v.assign(v.read_value() + 1.0)
             else:
-                safevars.transaction(
-                    subset, lambda s=subset: [v.assign_add(1.0) for v in s]
-                )
+                safevars.transaction(subset, lambda s=subset: [v.assign_add(1.0) for v in s])
 
     run_threads(6, work)
     total = sum(float(v.numpy()) for v in variables)

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars.errors import (
@@ -23,7 +24,6 @@ from safevars.errors import (
 from safevars.optimizer import OptimizerStatistics, SafeOptimizer
 from safevars.snapshot import snapshot as safevars_snapshot
 from safevars.variable import SafeVariable, wrap
-from threading_harness import run_threads
 
 _COLLECTIVE_KEY_BASES = itertools.count(1)
 
@@ -83,7 +83,8 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.05),
     "adamw_clip_schedule": lambda: keras.optimizers.AdamW(
         keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5),
-        weight_decay=0.1, clipnorm=0.5,
+        weight_decay=0.1,
+        clipnorm=0.5,
     ),
     "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
     "nadam": lambda: keras.optimizers.Nadam(0.05),  # overrides _backend_update_step
@@ -116,8 +117,13 @@ class TestSameResultsAsTheInnerOptimizer:
             for a, b in zip(opt.variables, plain.variables):
                 np.testing.assert_array_equal(a.numpy(), b.numpy())
         assert safe[0].statistics() == OptimizerStatistics(
-            calls=6, applied=6, accumulated=0, pending=0, dropped_stale=0,
-            scaled_stale=0, skipped_nonfinite=0,
+            calls=6,
+            applied=6,
+            accumulated=0,
+            pending=0,
+            dropped_stale=0,
+            scaled_stale=0,
+            skipped_nonfinite=0,
         )
 
     def test_sparse_gradients_match_plain_adam(self):
@@ -141,7 +147,6 @@ class TestSameResultsAsTheInnerOptimizer:
         stats = model.optimizer.statistics()
         assert stats.calls == stats.applied == 24 == int(model.optimizer.iterations.numpy())
         assert all(wrap(v).version == 24 for v in model.trainable_variables)
-
 
 
 # --------------------------------------------------------------------------- fidelity
@@ -181,28 +186,51 @@ class TestItIsTheOptimizer:
 
     def test_attributes_read_and_write_as_on_the_plain_optimizer(self):
         def make():
-            return keras.optimizers.Adam(0.01, beta_1=0.8, epsilon=1e-4, amsgrad=True,
-                                         clipnorm=0.7, weight_decay=0.01)
+            return keras.optimizers.Adam(
+                0.01, beta_1=0.8, epsilon=1e-4, amsgrad=True, clipnorm=0.7, weight_decay=0.01
+            )
 
         plain, safe = compiled(make()), compiled(SafeOptimizer(make()))
-        names = ["name", "clipnorm", "clipvalue", "global_clipnorm", "weight_decay", "use_ema",
-                 "ema_momentum", "loss_scale_factor", "gradient_accumulation_steps",
-                 "beta_1", "beta_2", "epsilon", "amsgrad"]
-        assert ({n: getattr(safe.optimizer, n) for n in names}
-                == {n: getattr(plain.optimizer, n) for n in names} | {"name": safe.optimizer.name})
+        names = [
+            "name",
+            "clipnorm",
+            "clipvalue",
+            "global_clipnorm",
+            "weight_decay",
+            "use_ema",
+            "ema_momentum",
+            "loss_scale_factor",
+            "gradient_accumulation_steps",
+            "beta_1",
+            "beta_2",
+            "epsilon",
+            "amsgrad",
+        ]
+        assert {n: getattr(safe.optimizer, n) for n in names} == {
+            n: getattr(plain.optimizer, n) for n in names
+        } | {"name": safe.optimizer.name}
         for model in (plain, safe):  # setters reach the arithmetic
             opt = model.optimizer
             opt.beta_1, opt.epsilon, opt.clipnorm, opt.weight_decay = 0.5, 1e-3, 0.3, 0.2
             opt.learning_rate = 0.02
-        assert (safe.optimizer.beta_1, float(safe.optimizer.learning_rate)) == (0.5, np.float32(0.02))
+        assert (safe.optimizer.beta_1, float(safe.optimizer.learning_rate)) == (
+            0.5,
+            np.float32(0.02),
+        )
         fit(plain), fit(safe)
         assert_same_training(plain, safe)
 
     def test_weight_decay_exclusion_holds(self):
         def model(optimizer, exclude):
             keras.utils.set_random_seed(3)
-            m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                                  keras.layers.LayerNormalization(), keras.layers.Dense(1)])
+            m = keras.Sequential(
+                [
+                    keras.Input((8,)),
+                    keras.layers.Dense(16),
+                    keras.layers.LayerNormalization(),
+                    keras.layers.Dense(1),
+                ]
+            )
             if exclude:
                 optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
             m.compile(optimizer=optimizer, loss="mse")
@@ -257,14 +285,19 @@ class TestItIsTheOptimizer:
         assert version == 3 and sub.statistics().calls == 3
 
     def test_optimizer_specific_methods(self):
-        plain, safe = compiled(keras.optimizers.Muon(0.01)), compiled(
-            SafeOptimizer(keras.optimizers.Muon(0.01)))
+        plain, safe = (
+            compiled(keras.optimizers.Muon(0.01)),
+            compiled(SafeOptimizer(keras.optimizers.Muon(0.01))),
+        )
         x = tf.constant(RNG.normal(size=(4, 3)).astype("float32"))
-        np.testing.assert_array_equal(safe.optimizer.zeropower_via_newtonschulz5(x, 5),
-                                      plain.optimizer.zeropower_via_newtonschulz5(x, 5))
+        np.testing.assert_array_equal(
+            safe.optimizer.zeropower_via_newtonschulz5(x, 5),
+            plain.optimizer.zeropower_via_newtonschulz5(x, 5),
+        )
         kernel = safe.trainable_variables[0]
         assert safe.optimizer._should_use_adamw(kernel) == plain.optimizer._should_use_adamw(
-            plain.trainable_variables[0])
+            plain.trainable_variables[0]
+        )
         fit(plain), fit(safe)
         assert_same_training(plain, safe)
 
@@ -346,9 +379,12 @@ class TestConcurrentCallsNeverInterleave:
         start = [v.numpy() for v in model.trainable_variables]
         opt = SafeOptimizer(keras.optimizers.Adam(0.01))
 
-        run_threads(4, lambda i: [
-            opt.apply_gradients(zip(grads, model.trainable_variables)) for _ in range(10)
-        ])
+        run_threads(
+            4,
+            lambda i: [
+                opt.apply_gradients(zip(grads, model.trainable_variables)) for _ in range(10)
+            ],
+        )
 
         ref = [tf.Variable(s) for s in start]
         plain = keras.optimizers.Adam(0.01)
@@ -416,26 +452,27 @@ class TestOneLockPerStep:
         opt = SafeOptimizer(keras.optimizers.SGD(0.1))
         opt.apply_gradients([(GRADS[0], a), (GRADS[0], b)])
         assert a.statistics().shared_by == 1
-        run_threads(4, lambda i: [opt.apply_gradients([(GRADS[1], a), (GRADS[1], b)])
-                                  for _ in range(10)])
+        run_threads(
+            4, lambda i: [opt.apply_gradients([(GRADS[1], a), (GRADS[1], b)]) for _ in range(10)]
+        )
         assert a.version == 42 and b.version == 41
-        np.testing.assert_allclose(b.numpy(), INIT - 0.1 * (GRADS[0] + 40 * GRADS[1]),
-                                   rtol=1e-5, atol=1e-5)
-
+        np.testing.assert_allclose(
+            b.numpy(), INIT - 0.1 * (GRADS[0] + 40 * GRADS[1]), rtol=1e-5, atol=1e-5
+        )
 
     def test_calls_on_disjoint_variables_still_exclude_each_other(self):
         # Two variables with locks of their own (used by traced graphs before, so not
         # shared): calls updating one or the other still serialize on the optimizer's
         # state lock (iterations, slots, counters).
         a, b = SafeVariable(tf.zeros([3])), SafeVariable(tf.zeros([3]))
-        tf.function(lambda: (a.assign_add(tf.zeros([3])), b.assign_add(tf.zeros([3]))),
-                    autograph=False)()
+        tf.function(
+            lambda: (a.assign_add(tf.zeros([3])), b.assign_add(tf.zeros([3]))), autograph=False
+        )()
         opt = SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
         opt.build([a, b])
         assert a.statistics().shared_by == b.statistics().shared_by == 1
         g = tf.constant([1.0, 2.0, 4.0])
-        run_threads(4, lambda i: [opt.apply_gradients([(g, (a, b)[i % 2])])
-                                  for _ in range(50)])
+        run_threads(4, lambda i: [opt.apply_gradients([(g, (a, b)[i % 2])]) for _ in range(50)])
         assert int(opt.iterations.numpy()) == opt.statistics().calls == 200
         assert a.version == b.version == 101
 
@@ -454,20 +491,22 @@ class TestAccumulateSteps:
         def big_step():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((big(x) - y) ** 2)
-            big_opt.apply_gradients(zip(tape.gradient(loss, big.trainable_variables),
-                                        big.trainable_variables))
+            big_opt.apply_gradients(
+                zip(tape.gradient(loss, big.trainable_variables), big.trainable_variables)
+            )
 
         def micro_step(xs, ys):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((small(xs) - ys) ** 2)
-            acc_opt.apply_gradients(zip(tape.gradient(loss, small.trainable_variables),
-                                        small.trainable_variables))
+            acc_opt.apply_gradients(
+                zip(tape.gradient(loss, small.trainable_variables), small.trainable_variables)
+            )
 
         big_step, micro_step = mode(big_step), mode(micro_step)
         for _ in range(2):
             big_step()
             for i in range(4):
-                micro_step(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16])
+                micro_step(x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16])
         for a, b in zip(big.trainable_variables, small.trainable_variables):
             np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
         # iterations, schedule, weight decay and bias correction advanced twice, not 8x.
@@ -503,12 +542,14 @@ class TestAccumulateSteps:
         opt = SafeOptimizer(keras.optimizers.SGD(1.0), accumulate_steps=3)
         opt.apply_gradients([(GRADS[0], v)])
         path = tf.train.Checkpoint(v=v, optimizer=opt, safevars=opt.safevars_state).save(
-            os.path.join(tmp_path, "ck"))
+            os.path.join(tmp_path, "ck")
+        )
         v2 = keras.Variable(np.zeros_like(INIT))
         opt2 = SafeOptimizer(keras.optimizers.SGD(1.0), accumulate_steps=3)
         opt2.build([v2])
         tf.train.Checkpoint(v=v2, optimizer=opt2, safevars=opt2.safevars_state).restore(
-            path).assert_consumed()
+            path
+        ).assert_consumed()
         assert opt2.statistics().pending == 1
         for g in GRADS[1:3]:
             opt.apply_gradients([(g, v)])
@@ -571,19 +612,32 @@ class TestKerasGradientAccumulation:
 
 class TestSavingAndCheckpoints:
     def test_config_round_trip(self):
-        opt = SafeOptimizer(keras.optimizers.Adam(0.003, name="a"), accumulate_steps=2,
-                            max_staleness=3, on_stale="scale", nonfinite="skip")
+        opt = SafeOptimizer(
+            keras.optimizers.Adam(0.003, name="a"),
+            accumulate_steps=2,
+            max_staleness=3,
+            on_stale="scale",
+            nonfinite="skip",
+        )
         config = opt.get_config()
         assert config["beta_1"] == 0.9 and config["safevars"]["on_stale"] == "scale"
-        for clone in (SafeOptimizer.from_config(config), type(opt).from_config(config),
-                      keras.optimizers.deserialize(keras.optimizers.serialize(opt))):
+        for clone in (
+            SafeOptimizer.from_config(config),
+            type(opt).from_config(config),
+            keras.optimizers.deserialize(keras.optimizers.serialize(opt)),
+        ):
             assert clone.get_config() == config
             assert isinstance(clone, keras.optimizers.Adam)
             assert isinstance(clone, SafeOptimizer) and clone.accumulate_steps == 2
         legacy = {  # the config safevars 0.1 wrote
-            "name": "safe_optimizer", "optimizer": keras.optimizers.serialize(
-                keras.optimizers.Adam(0.003, name="a")), "accumulate_steps": 2, "max_staleness": 3,
-            "on_stale": "scale", "nonfinite": "skip", "deterministic": True}
+            "name": "safe_optimizer",
+            "optimizer": keras.optimizers.serialize(keras.optimizers.Adam(0.003, name="a")),
+            "accumulate_steps": 2,
+            "max_staleness": 3,
+            "on_stale": "scale",
+            "nonfinite": "skip",
+            "deterministic": True,
+        }
         assert SafeOptimizer.from_config(legacy).get_config() == config
 
     def test_model_save_and_load_model(self, tmp_path):
@@ -612,7 +666,8 @@ class TestSavingAndCheckpoints:
         for g in GRADS[:3]:
             opt.apply_gradients([(g, v)])
         path = tf.train.Checkpoint(v=v, optimizer=opt, safevars=opt.safevars_state).save(
-            os.path.join(tmp_path, "ck"))
+            os.path.join(tmp_path, "ck")
+        )
         saved = [x.numpy() for x in opt.variables]
         for g in GRADS[3:]:
             opt.apply_gradients([(g, v)])
@@ -621,7 +676,8 @@ class TestSavingAndCheckpoints:
         opt2 = SafeOptimizer(keras.optimizers.Adam(0.1))
         opt2.build([v2])
         tf.train.Checkpoint(v=v2, optimizer=opt2, safevars=opt2.safevars_state).restore(
-            path).assert_consumed()
+            path
+        ).assert_consumed()
         for a, b in zip(saved, opt2.variables):
             np.testing.assert_array_equal(a, b.numpy())
         assert int(opt2.iterations.numpy()) == 3 and opt2.statistics().calls == 3
@@ -650,15 +706,20 @@ class TestSameStateSameFiles:
         if case == "keras_accumulation" and accumulate_steps > 1:
             pytest.skip("one kind of accumulation at a time (tested as refused)")
         plain = compiled(LAYOUT_CASES[case](), build=True)
-        safe = compiled(SafeOptimizer(LAYOUT_CASES[case](), accumulate_steps=accumulate_steps),
-                        build=True)
+        safe = compiled(
+            SafeOptimizer(LAYOUT_CASES[case](), accumulate_steps=accumulate_steps), build=True
+        )
+
         def layout(model):  # the slot's kind, shape and dtype, in order
-            return [(re.sub(r"_\d+$", "", v.name).rsplit("_", 1)[-1], v.shape, v.dtype)
-                    for v in model.optimizer.variables]
+            return [
+                (re.sub(r"_\d+$", "", v.name).rsplit("_", 1)[-1], v.shape, v.dtype)
+                for v in model.optimizer.variables
+            ]
 
         assert layout(safe) == layout(plain)
         own = safe.optimizer.safevars_state.trainable_variables + tuple(
-            safe.optimizer.safevars_state.non_trainable_variables)
+            safe.optimizer.safevars_state.non_trainable_variables
+        )
         assert own and not {id(v) for v in own} & {id(v) for v in safe.optimizer.variables}
 
     def test_set_weights_between_plain_and_safe(self):
@@ -726,10 +787,12 @@ class TestSameStateSameFiles:
         first = make(safe=direction == "safe_to_plain")
         fit(first)
         path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
-            str(tmp_path / "ck"))
+            str(tmp_path / "ck")
+        )
         second = make(safe=direction == "plain_to_safe")
         tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(
-            path).assert_consumed()
+            path
+        ).assert_consumed()
         assert isinstance(second.optimizer, SafeOptimizer) == (direction == "plain_to_safe")
         fit(first), fit(second)
         assert_same_training(first, second)
@@ -773,8 +836,9 @@ class TestMixedPrecision:
 
     def test_safe_optimizer_around_loss_scale_optimizer_in_a_custom_loop(self):
         v = SafeVariable(INIT)
-        opt = SafeOptimizer(keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(0.1), initial_scale=8.0))
+        opt = SafeOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
+        )
         assert float(opt.scale_loss(tf.constant(1.0))) == 8.0
         opt.apply_gradients([(tf.constant(GRADS[0] * 8.0), v)])
         np.testing.assert_allclose(v.numpy(), INIT - 0.1 * GRADS[0], atol=1e-6)
@@ -806,8 +870,7 @@ class TestSafeOptimizersInsideOthers:
 
     def test_multi_optimizer_of_safe_optimizers_made_safe_under_threads(self):
         a, b = keras.Variable(tf.zeros([3]), name="a"), keras.Variable(tf.zeros([3]), name="b")
-        first, second = (SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
-                         for _ in range(2))
+        first, second = (SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)) for _ in range(2))
         table = keras.optimizers.OptimizerMap(default_optimizer=first)
         table["b"] = second
         multi = SafeOptimizer(keras.optimizers.MultiOptimizer(table))
@@ -871,8 +934,8 @@ class TestStaleness:
     def test_raise_in_a_graph_fails_at_run_time_and_changes_nothing(self):
         v, opt = self.make("raise")
         step = tf.function(
-            lambda version: opt.apply_gradients([(GRADS[1], v)], version=version),
-            autograph=False)
+            lambda version: opt.apply_gradients([(GRADS[1], v)], version=version), autograph=False
+        )
         before = everything(opt, [v])
         with pytest.raises(tf.errors.InvalidArgumentError, match="StaleGradientError"):
             step(tf.constant(0, tf.int64))
@@ -896,8 +959,13 @@ class TestStaleness:
         step(tf.constant(GRADS[2]), tf.constant(0, tf.int64))  # stale: dropped
         np.testing.assert_allclose(v.numpy(), INIT - (GRADS[0] + GRADS[1]) / 2, atol=1e-6)
         stats = opt.statistics()
-        assert (stats.calls, stats.applied, stats.accumulated, stats.dropped_stale,
-                stats.pending) == (3, 1, 2, 1, 0)
+        assert (
+            stats.calls,
+            stats.applied,
+            stats.accumulated,
+            stats.dropped_stale,
+            stats.pending,
+        ) == (3, 1, 2, 1, 0)
 
     def test_version_from_the_future_or_malformed_is_refused(self):
         v, opt = self.make("drop")
@@ -921,15 +989,22 @@ class TestBadInputChangesNothing:
         self.opt = SafeOptimizer(keras.optimizers.Adam(0.1))
         self.opt.apply_gradients([(GRADS[0], self.a), (np.ones(3, "float32"), self.b)])
 
-    @pytest.mark.parametrize("case, error, match", [
-        ("unknown", InvalidArgumentError, r"grads_and_vars\[1\]: Unknown variable .* built with"),
-        ("shape", ShapeMismatchError, r"grads_and_vars\[0\].*shape \[3, 4\]"),
-        ("dtype", DTypeMismatchError, r"grads_and_vars\[1\].*int32"),
-        ("twice", InvalidArgumentError, r"listed twice"),
-        ("none", InvalidArgumentError, r"No gradient"),
-        ("not_a_variable", InvalidArgumentError, r"grads_and_vars\[1\] must be a variable"),
-        ("not_a_pair", InvalidArgumentError, r"grads_and_vars\[0\] must be a"),
-    ])
+    @pytest.mark.parametrize(
+        "case, error, match",
+        [
+            (
+                "unknown",
+                InvalidArgumentError,
+                r"grads_and_vars\[1\]: Unknown variable .* built with",
+            ),
+            ("shape", ShapeMismatchError, r"grads_and_vars\[0\].*shape \[3, 4\]"),
+            ("dtype", DTypeMismatchError, r"grads_and_vars\[1\].*int32"),
+            ("twice", InvalidArgumentError, r"listed twice"),
+            ("none", InvalidArgumentError, r"No gradient"),
+            ("not_a_variable", InvalidArgumentError, r"grads_and_vars\[1\] must be a variable"),
+            ("not_a_pair", InvalidArgumentError, r"grads_and_vars\[0\] must be a"),
+        ],
+    )
     def test_refused(self, case, error, match):
         a, b = self.a, self.b
         pairs = {
@@ -948,7 +1023,8 @@ class TestBadInputChangesNothing:
 
     def test_refused_while_tracing(self):
         step = tf.function(
-            lambda: self.opt.apply_gradients([(tf.ones([3, 4]), self.a)]), autograph=False)
+            lambda: self.opt.apply_gradients([(tf.ones([3, 4]), self.a)]), autograph=False
+        )
         with pytest.raises(ShapeMismatchError):
             step()
 
@@ -967,23 +1043,29 @@ class TestBadInputChangesNothing:
             assert_same_state(before[:3], after[:3])
             assert after[3].skipped_nonfinite == 1 and after[3].applied == 1
         else:
-            expected = NonFiniteGradientError if mode.name == "eager" else (
-                tf.errors.InvalidArgumentError)
+            expected = (
+                NonFiniteGradientError
+                if mode.name == "eager"
+                else (tf.errors.InvalidArgumentError)
+            )
             with pytest.raises(expected, match="NaN or Inf"):
                 step(tf.constant(bad))
             assert_same_state(before, everything(opt, [v]))
         step(tf.constant(GRADS[2]))
         assert v.version == 2
 
-    @pytest.mark.parametrize("kwargs, match", [
-        ({"accumulate_steps": 0}, "accumulate_steps"),
-        ({"max_staleness": -1}, "max_staleness"),
-        ({"on_stale": "ignore"}, "on_stale"),
-        ({"nonfinite": "zero"}, "nonfinite"),
-        ({"clipnorm": 1.0}, "clipnorm"),
-        ({"learning_rate": 0.1}, "learning_rate"),
-        ({"deterministic": 1}, "deterministic"),
-    ])
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            ({"accumulate_steps": 0}, "accumulate_steps"),
+            ({"max_staleness": -1}, "max_staleness"),
+            ({"on_stale": "ignore"}, "on_stale"),
+            ({"nonfinite": "zero"}, "nonfinite"),
+            ({"clipnorm": 1.0}, "clipnorm"),
+            ({"learning_rate": 0.1}, "learning_rate"),
+            ({"deterministic": 1}, "deterministic"),
+        ],
+    )
     def test_constructor_arguments(self, kwargs, match):
         with pytest.raises(InvalidArgumentError, match=match):
             SafeOptimizer(keras.optimizers.SGD(), **kwargs)
@@ -1058,8 +1140,10 @@ class TestMirroredStrategy:
         with mirrored_strategy.scope():
             v = keras.Variable(INIT)
             opt = SafeOptimizer(keras.optimizers.SGD())
-        step = tf.function(lambda: mirrored_strategy.run(
-            lambda: opt.apply_gradients([(tf.ones([4, 3]), v)])), autograph=False)
+        step = tf.function(
+            lambda: mirrored_strategy.run(lambda: opt.apply_gradients([(tf.ones([4, 3]), v)])),
+            autograph=False,
+        )
         with pytest.raises(InvalidArgumentError, match="Build the optimizer before"):
             step()
 
@@ -1087,5 +1171,6 @@ class TestMirroredStrategy:
             opt = SafeOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
             opt.build([v])
         with pytest.raises(UnsupportedStrategyError, match="other way round"):
-            mirrored_strategy.run(tf.function(
-                lambda: opt.apply_gradients([(tf.ones([4, 3]), v)]), autograph=False))
+            mirrored_strategy.run(
+                tf.function(lambda: opt.apply_gradients([(tf.ones([4, 3]), v)]), autograph=False)
+            )

@@ -9,18 +9,17 @@ one JSON line that the tests below check. MirroredStrategy is covered in-process
 
 from __future__ import annotations
 
-
 import keras
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
+from cluster_harness import run_together, script
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.optimizer import SafeOptimizer
 from safevars.variable import wrap
-from cluster_harness import run_together, script
 
 PS_WORKERS, PS_STEPS, PS_TRAIN_STEPS, PS_ACCUMULATE_CALLS = 3, 60, 90, 24
 MWMS_WORKERS, MWMS_STEPS = 2, 8
@@ -31,10 +30,22 @@ CLUSTER_TIMEOUT = 120.0  # Seconds for one cluster (all its processes) to finish
 def ps() -> dict:
     """One run of a 3-worker, 1-PS in-process cluster (see distributed/optimizer_ps.py)."""
     path = script("optimizer_ps.py")
-    (result,) = run_together([[
-        path, "--workers", str(PS_WORKERS), "--steps", str(PS_STEPS),
-        "--train-steps", str(PS_TRAIN_STEPS), "--accumulate-calls", str(PS_ACCUMULATE_CALLS),
-    ]], CLUSTER_TIMEOUT)
+    (result,) = run_together(
+        [
+            [
+                path,
+                "--workers",
+                str(PS_WORKERS),
+                "--steps",
+                str(PS_STEPS),
+                "--train-steps",
+                str(PS_TRAIN_STEPS),
+                "--accumulate-calls",
+                str(PS_ACCUMULATE_CALLS),
+            ]
+        ],
+        CLUSTER_TIMEOUT,
+    )
     return result
 
 
@@ -43,9 +54,10 @@ def mwms() -> list[dict]:
     """One run of a 2-process MultiWorkerMirroredStrategy cluster: each worker's result."""
     path = script("optimizer_mwms.py")
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-    return run_together([
-        [path, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)
-    ], CLUSTER_TIMEOUT)
+    return run_together(
+        [[path, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)],
+        CLUSTER_TIMEOUT,
+    )
 
 
 # --------------------------------------------------------------------- parameter servers
@@ -82,9 +94,7 @@ class TestParameterServerStrategy:
         assert (accumulated, pending, scaled, skipped) == (0, 0, 0, 0)
         assert applied >= 1
         # Gradients tagged with version 0 after `applied` updates: every one is dropped.
-        assert train["after_stale"] == [
-            calls + stale, applied, 0, 0, dropped + stale, 0, 0
-        ]
+        assert train["after_stale"] == [calls + stale, applied, 0, 0, dropped + stale, 0, 0]
         assert train["weights_unchanged_by_stale"]
         assert set(train["workers_used"]) <= set(range(PS_WORKERS))
 
@@ -160,8 +170,13 @@ def test_unsupported_strategy_is_refused_naming_the_supported_ones():
         with pytest.raises(UnsupportedStrategyError) as info:
             opt.apply_gradients([(tf.ones([2]), v)])
     message = str(info.value)
-    for name in ("CentralStorageStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-                 "ParameterServerStrategy", "OneDeviceStrategy"):
+    for name in (
+        "CentralStorageStrategy",
+        "MirroredStrategy",
+        "MultiWorkerMirroredStrategy",
+        "ParameterServerStrategy",
+        "OneDeviceStrategy",
+    ):
         assert name in message
     np.testing.assert_array_equal(v.numpy(), [0.0, 0.0])
     assert wrap(v).version == 0

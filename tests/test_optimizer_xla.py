@@ -14,11 +14,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 from safevars.errors import InvalidArgumentError
 from safevars.optimizer import SafeOptimizer
 from safevars.variable import SafeVariable, wrap
-from threading_harness import run_threads
 
 RNG = np.random.default_rng(7)
 INIT = RNG.normal(size=(4, 3)).astype("float32")
@@ -42,8 +42,10 @@ def model(optimizer) -> keras.Model:
 
 def test_model_compile_with_jit_compile_trains():
     x, y = regression_data()
-    safe, plain = model(SafeOptimizer(keras.optimizers.Adam(0.01))), model(
-        keras.optimizers.Adam(0.01))
+    safe, plain = (
+        model(SafeOptimizer(keras.optimizers.Adam(0.01))),
+        model(keras.optimizers.Adam(0.01)),
+    )
     losses = safe.fit(x, y, epochs=3, batch_size=32, verbose=0).history["loss"]
     plain.fit(x, y, epochs=3, batch_size=32, verbose=0)
     assert safe.jit_compile and losses[-1] < 0.7 * losses[0], losses
@@ -120,15 +122,16 @@ def test_four_threads_of_compiled_steps_equal_their_serial_order():
     np.testing.assert_array_equal(v.numpy(), replay_v.numpy())
 
 
-@pytest.mark.parametrize("policy", [{"nonfinite": "raise"},
-                                    {"max_staleness": 0, "on_stale": "raise"}])
+@pytest.mark.parametrize(
+    "policy", [{"nonfinite": "raise"}, {"max_staleness": 0, "on_stale": "raise"}]
+)
 def test_raise_policies_are_refused_under_xla_and_change_nothing(policy):
     v = SafeVariable(INIT)
     opt = SafeOptimizer(keras.optimizers.SGD(0.1), **policy)
     opt.build([v])
     step = tf.function(
-        lambda g: opt.apply_gradients([(g, v)], version=tf.constant(0, tf.int64)),
-        jit_compile=True)
+        lambda g: opt.apply_gradients([(g, v)], version=tf.constant(0, tf.int64)), jit_compile=True
+    )
     with pytest.raises(InvalidArgumentError, match="XLA"):
         step(tf.constant(GRADS[0]))
     np.testing.assert_array_equal(v.numpy(), INIT)

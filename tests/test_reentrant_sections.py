@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import call_bounded
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import call_bounded
 
 
 def _variable(kind: str, value: float = 0.0) -> SafeVariable:
@@ -99,7 +99,8 @@ def test_snapshot_of_several_inside_locked_of_one(kind):
     one_held, both_held = call_bounded(body)
     assert [(s.version, float(s.numpy())) for s in one_held] == [(2, 2.0), (1, 11.0)]
     assert {k: (s.version, float(s.numpy())) for k, s in both_held.items()} == {
-        "v": (2, 2.0), "w": (2, 12.0)
+        "v": (2, 2.0),
+        "w": (2, 12.0),
     }
     _assert_released(v, w)
 
@@ -154,8 +155,15 @@ def test_reads_and_writes_inside_a_traced_transaction(kind):
             stale = v.compare_and_assign(6.0, seen.version)
             updated = w.update(lambda x: x * 2.0)  # w: 22.0, version 2
             both = safevars.snapshot([v, w])
-            return (seen.value, seen.version, wrote, stale, updated,
-                    [s.value for s in both], [s.version for s in both])
+            return (
+                seen.value,
+                seen.version,
+                wrote,
+                stale,
+                updated,
+                [s.value for s in both],
+                [s.version for s in both],
+            )
 
         return safevars.transaction([v, w], body)
 

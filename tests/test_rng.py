@@ -58,21 +58,31 @@ class TestReproducibility:
         eager, graph = ReplicaRNG(606), ReplicaRNG(606)
         dynamic = tf.function(
             lambda shape: graph.normal(shape),
-            input_signature=[tf.TensorSpec([None], tf.int32)], autograph=False,
+            input_signature=[tf.TensorSpec([None], tf.int32)],
+            autograph=False,
         )
         for _ in range(2):
             assert as_bytes(draws(eager)) == as_bytes(tf.function(lambda: draws(graph))())
             assert state_of(eager) == state_of(graph)
             # Large static draws in a graph take the split (skip + stateless) path.
-            big = tf.function(lambda: [graph.normal([300, 300]), graph.uniform_int([70_000], 0, 9),
-                                       graph.truncated_normal([256, 256])])()
-            want = [eager.normal([300, 300]), eager.uniform_int([70_000], 0, 9),
-                    eager.truncated_normal([256, 256])]
+            big = tf.function(
+                lambda: [
+                    graph.normal([300, 300]),
+                    graph.uniform_int([70_000], 0, 9),
+                    graph.truncated_normal([256, 256]),
+                ]
+            )()
+            want = [
+                eager.normal([300, 300]),
+                eager.uniform_int([70_000], 0, 9),
+                eager.truncated_normal([256, 256]),
+            ]
             assert as_bytes(big) == as_bytes(want)
             assert state_of(eager) == state_of(graph)
             for shape in ([0], [5, 3], [1], [300, 300]):
                 np.testing.assert_array_equal(
-                    dynamic(tf.constant(shape)).numpy(), eager.normal(shape).numpy())
+                    dynamic(tf.constant(shape)).numpy(), eager.normal(shape).numpy()
+                )
                 assert state_of(eager) == state_of(graph)
 
     def test_a_draw_is_philox_of_key_and_counter(self):
@@ -94,17 +104,25 @@ class TestReproducibility:
         for shape in ([3], [2, 5], [1000]):
             np.testing.assert_array_equal(
                 stream.normal(shape).numpy(),
-                split_draw(shape, stateless.stateless_random_normal_v2))
+                split_draw(shape, stateless.stateless_random_normal_v2),
+            )
             np.testing.assert_array_equal(
                 stream.uniform(shape, dtype=tf.float64).numpy(),
-                split_draw(shape, stateless.stateless_random_uniform_v2, dtype=tf.float64))
+                split_draw(shape, stateless.stateless_random_uniform_v2, dtype=tf.float64),
+            )
             np.testing.assert_array_equal(
                 stream.truncated_normal(shape).numpy(),
-                split_draw(shape, stateless.stateless_truncated_normal_v2))
+                split_draw(shape, stateless.stateless_truncated_normal_v2),
+            )
             np.testing.assert_array_equal(
                 stream.uniform_int(shape, 0, 9).numpy(),
-                split_draw(shape, stateless.stateless_random_uniform_int_v2,
-                           minval=tf.constant(0, tf.int64), maxval=tf.constant(9, tf.int64)))
+                split_draw(
+                    shape,
+                    stateless.stateless_random_uniform_int_v2,
+                    minval=tf.constant(0, tf.int64),
+                    maxval=tf.constant(9, tf.int64),
+                ),
+            )
             assert stream.state.numpy().tolist() == twin.numpy().tolist()
 
     def test_different_seeds_replicas_and_workers_differ(self):
@@ -130,10 +148,22 @@ class TestReproducibility:
         assert rng.seed_for("dropout") == 728897668
         assert rng.dataset_seed(1) == 3355138032692940385
         assert rng.element_seed(5).numpy().tolist() == [562604237234773123, 5]
-        expected = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            1234, spawn_key=(1, int.from_bytes(
-                __import__("hashlib").sha256(b"worker").digest()[:8], "little"), 0, 1, 0),
-        ))).integers(0, 2**62, size=4)
+        expected = np.random.Generator(
+            np.random.PCG64(
+                np.random.SeedSequence(
+                    1234,
+                    spawn_key=(
+                        1,
+                        int.from_bytes(
+                            __import__("hashlib").sha256(b"worker").digest()[:8], "little"
+                        ),
+                        0,
+                        1,
+                        0,
+                    ),
+                )
+            )
+        ).integers(0, 2**62, size=4)
         np.testing.assert_array_equal(rng.numpy(1).integers(0, 2**62, size=4), expected)
 
     def test_same_streams_in_a_new_process(self):
@@ -156,7 +186,10 @@ class TestReproducibility:
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         proc = subprocess.run(
             [sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__))],
-            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=env,
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT,
+            env=env,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         rng = ReplicaRNG(99, num_replicas=2, worker=("worker", 0))
@@ -237,9 +270,15 @@ class TestStrategies:
         assert state_of(rng) == state_of(reference)
 
     def test_worker_from_tf_config_and_argument(self, monkeypatch):
-        monkeypatch.setenv("TF_CONFIG", json.dumps(
-            {"cluster": {"worker": ["localhost:1", "localhost:2"]},
-             "task": {"type": "worker", "index": 1}}))
+        monkeypatch.setenv(
+            "TF_CONFIG",
+            json.dumps(
+                {
+                    "cluster": {"worker": ["localhost:1", "localhost:2"]},
+                    "task": {"type": "worker", "index": 1},
+                }
+            ),
+        )
         from_env = ReplicaRNG(1)
         assert from_env.worker == ("worker", 1)
         assert from_env.for_replica(0).key == ReplicaRNG(1, worker=("worker", 1)).streams[0].key
@@ -282,8 +321,10 @@ class TestStatistics:
         for stream in rng.streams:
             ints = stream.uniform_int([self.N], 0, 10).numpy()
             floats = stream.uniform([self.N]).numpy()
-            for counts in (np.bincount(ints, minlength=10),
-                           np.histogram(floats, bins=10, range=(0.0, 1.0))[0]):
+            for counts in (
+                np.bincount(ints, minlength=10),
+                np.histogram(floats, bins=10, range=(0.0, 1.0))[0],
+            ):
                 expected = self.N / 10
                 chi2 = float(((counts - expected) ** 2 / expected).sum())
                 assert counts.sum() == self.N and chi2 < 27.88, counts
@@ -356,8 +397,11 @@ class TestSchedulingAndTracing:
 class TestCheckpoint:
     def test_restored_run_continues_exactly(self, tmp_path, mode):
         rng = ReplicaRNG(123, num_replicas=2)
-        step = mode(lambda: [rng.for_replica(r).normal([3]) for r in range(2)]
-                    + [rng.uniform_int([2], 0, 9)])
+        step = mode(
+            lambda: (
+                [rng.for_replica(r).normal([3]) for r in range(2)] + [rng.uniform_int([2], 0, 9)]
+            )
+        )
         step()
         step()
         path = tf.train.Checkpoint(rng=rng).write(str(tmp_path / "ckpt"))
@@ -365,8 +409,12 @@ class TestCheckpoint:
 
         fresh = ReplicaRNG(123, num_replicas=2)
         tf.train.Checkpoint(rng=fresh).read(path).assert_consumed()
-        fresh_step = mode(lambda: [fresh.for_replica(r).normal([3]) for r in range(2)]
-                          + [fresh.uniform_int([2], 0, 9)])
+        fresh_step = mode(
+            lambda: (
+                [fresh.for_replica(r).normal([3]) for r in range(2)]
+                + [fresh.uniform_int([2], 0, 9)]
+            )
+        )
         assert [as_bytes(fresh_step()) for _ in range(3)] == expected
 
         tf.train.Checkpoint(rng=rng).read(path).assert_consumed()  # Rewind the original.
@@ -393,8 +441,10 @@ class TestCheckpoint:
         rng = ReplicaRNG(1, num_replicas=2)
         path = tf.train.Checkpoint(rng=rng).write(str(tmp_path / "ckpt"))
         names = {name for name, _ in tf.train.list_variables(path)}
-        assert {"rng/_streams/0/state/.ATTRIBUTES/VARIABLE_VALUE",
-                "rng/_streams/1/state/.ATTRIBUTES/VARIABLE_VALUE"} <= names
+        assert {
+            "rng/_streams/0/state/.ATTRIBUTES/VARIABLE_VALUE",
+            "rng/_streams/1/state/.ATTRIBUTES/VARIABLE_VALUE",
+        } <= names
         assert len(rng.trainable_variables) == 0 and len(rng.variables) == 2
 
 
@@ -412,8 +462,12 @@ class TestSeeds:
     def test_seed_for(self):
         rng = ReplicaRNG(5, num_replicas=2)
         seeds = {rng.seed_for("dropout", replica_id=r) for r in range(2)}
-        seeds |= {rng.seed_for("dropout", 1), rng.seed_for("noise"), rng.seed_for(0),
-                  rng.seed_for("0")}
+        seeds |= {
+            rng.seed_for("dropout", 1),
+            rng.seed_for("noise"),
+            rng.seed_for(0),
+            rng.seed_for("0"),
+        }
         assert len(seeds) == 6
         assert all(isinstance(s, int) and 0 <= s < 2**31 - 1 for s in seeds)
         assert rng.seed_for("dropout") == ReplicaRNG(5).seed_for("dropout")
@@ -427,7 +481,9 @@ class TestSeeds:
             seeds = rng.element_seeds(epoch, replica_id=replica_id)
             data = tf.data.Dataset.zip((data, seeds)).map(
                 lambda i, seed: (
-                    i, tf.random.stateless_uniform([], seed, maxval=1000, dtype=tf.int64)),
+                    i,
+                    tf.random.stateless_uniform([], seed, maxval=1000, dtype=tf.int64),
+                ),
                 **({"num_parallel_calls": parallel, "deterministic": False} if parallel else {}),
             )
             return dict(data.as_numpy_iterator())
@@ -435,8 +491,14 @@ class TestSeeds:
         base = augmented(0, 0, None)
         assert augmented(0, 0, 4) == base  # Independent of parallelism and order.
         assert augmented(1, 0, None) != base and augmented(0, 1, None) != base
-        direct = {i: int(tf.random.stateless_uniform([], rng.element_seed(i, 0, replica_id=0),
-                                                     maxval=1000, dtype=tf.int64)) for i in (0, 7)}
+        direct = {
+            i: int(
+                tf.random.stateless_uniform(
+                    [], rng.element_seed(i, 0, replica_id=0), maxval=1000, dtype=tf.int64
+                )
+            )
+            for i in (0, 7)
+        }
         assert direct == {0: base[0], 7: base[7]}
 
         def shuffled(epoch):
@@ -475,8 +537,10 @@ class TestKeras:
             def step():
                 return mirrored_strategy.run(lambda: layer(x, training=True))
 
-            return [[t.numpy() for t in mirrored_strategy.experimental_local_results(step())]
-                    for _ in range(2)]
+            return [
+                [t.numpy() for t in mirrored_strategy.experimental_local_results(step())]
+                for _ in range(2)
+            ]
 
         first, again = masks(ReplicaRNG(3, num_replicas=2)), masks(ReplicaRNG(3, num_replicas=2))
         for call in range(2):
@@ -493,8 +557,14 @@ class TestKeras:
     def test_attached_layer_variables_stay_consistent(self):
         import keras
 
-        model = keras.Sequential([keras.Input([8]), keras.layers.Dense(4),
-                                  keras.layers.Dropout(0.5), keras.layers.GaussianNoise(0.1)])
+        model = keras.Sequential(
+            [
+                keras.Input([8]),
+                keras.layers.Dense(4),
+                keras.layers.Dropout(0.5),
+                keras.layers.GaussianNoise(0.1),
+            ]
+        )
         count = len(model.variables)
         rng = ReplicaRNG(4)
         assert rng.attach(model) == 2
@@ -531,20 +601,29 @@ class TestBadInput:
         before = state_of(rng)
         bad = {
             "replica_id": [
-                lambda: rng.for_replica(-1), lambda: rng.for_replica(2),
-                lambda: rng.for_replica(True), lambda: rng.for_replica(1.0),
-                lambda: rng.for_replica("0"), lambda: rng.seed_for("a", replica_id=5),
-                lambda: rng.numpy(-1), lambda: rng.dataset_seed(0, replica_id=2),
+                lambda: rng.for_replica(-1),
+                lambda: rng.for_replica(2),
+                lambda: rng.for_replica(True),
+                lambda: rng.for_replica(1.0),
+                lambda: rng.for_replica("0"),
+                lambda: rng.seed_for("a", replica_id=5),
+                lambda: rng.numpy(-1),
+                lambda: rng.dataset_seed(0, replica_id=2),
             ],
             "count": [lambda: rng.make_seeds(0), lambda: rng.for_replica(1).make_seeds(1.5)],
             "epoch": [lambda: rng.numpy(0, epoch=-1), lambda: rng.element_seeds(epoch=True)],
             "index": [lambda: rng.element_seed(-3)],
             "keys": [lambda: rng.seed_for(-1), lambda: rng.seed_for(1.5)],
-            "minval": [lambda: rng.uniform_int([2], 5, 5), lambda: rng.uniform([2], 1.0, 0.5),
-                       lambda: rng.uniform([2], minval=None),
-                       lambda: rng.uniform([2], minval=0, maxval=None, dtype=tf.int32)],
-            "dtype": [lambda: rng.normal([2], dtype=tf.int32),
-                      lambda: rng.uniform_int([2], 0, 3, dtype=tf.float32)],
+            "minval": [
+                lambda: rng.uniform_int([2], 5, 5),
+                lambda: rng.uniform([2], 1.0, 0.5),
+                lambda: rng.uniform([2], minval=None),
+                lambda: rng.uniform([2], minval=0, maxval=None, dtype=tf.int32),
+            ],
+            "dtype": [
+                lambda: rng.normal([2], dtype=tf.int32),
+                lambda: rng.uniform_int([2], 0, 3, dtype=tf.float32),
+            ],
         }
         for argument, calls in bad.items():
             for call in calls:
@@ -552,7 +631,8 @@ class TestBadInput:
                     call()
         with pytest.raises(InvalidArgumentError, match="static value"):
             tf.function(rng.for_replica, autograph=False).get_concrete_function(
-                tf.TensorSpec([], tf.int32))
+                tf.TensorSpec([], tf.int32)
+            )
         assert state_of(rng) == before
 
     def test_messages_say_how_to_fix(self):

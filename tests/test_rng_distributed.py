@@ -10,15 +10,14 @@ documented key with an eager ``ReplicaRNG`` and compares bitwise.
 
 from __future__ import annotations
 
-
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
+from cluster_harness import run_together, script
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.rng import ReplicaRNG
-from cluster_harness import run_together, script
 
 SEED, OTHER_SEED = 2024, 7
 PS_WORKERS, PS_STEPS, PS_TASKS = 3, 24, (1, 2)
@@ -31,8 +30,17 @@ def ps_runs() -> list[dict]:
     """Two runs with the same seeds, two clusters at once: 3 workers with 1 PS, then
     with 2 PS (the streams must not depend on where they are placed)."""
     path = script("rng_ps.py")
-    command = [path, "--seed", str(SEED), "--other-seed", str(OTHER_SEED),
-               "--workers", str(PS_WORKERS), "--steps", str(PS_STEPS)]
+    command = [
+        path,
+        "--seed",
+        str(SEED),
+        "--other-seed",
+        str(OTHER_SEED),
+        "--workers",
+        str(PS_WORKERS),
+        "--steps",
+        str(PS_STEPS),
+    ]
     return run_together([command + ["--ps", str(ps)] for ps in PS_TASKS], CLUSTER_TIMEOUT)
 
 
@@ -43,10 +51,15 @@ def mwms_runs() -> list[list[dict]]:
     runs = []
     for _ in range(2):
         ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-        runs.append(run_together([
-            [path, str(i), ports, "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
-            for i in range(MWMS_WORKERS)
-        ], CLUSTER_TIMEOUT))
+        runs.append(
+            run_together(
+                [
+                    [path, str(i), ports, "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
+                    for i in range(MWMS_WORKERS)
+                ],
+                CLUSTER_TIMEOUT,
+            )
+        )
     return runs
 
 
@@ -96,7 +109,8 @@ class TestParameterServer:
             assert run["num_workers"] == PS_WORKERS and run["num_replicas"] == 1
             # Round robin: worker w's stream on PS task w % num_ps.
             assert [d.split("/device:")[0] for d in run["devices"]] == [
-                f"/job:ps/replica:0/task:{w % num_ps}" for w in range(PS_WORKERS)]
+                f"/job:ps/replica:0/task:{w % num_ps}" for w in range(PS_WORKERS)
+            ]
             assert run["stream_workers"] == [["worker", w] for w in range(PS_WORKERS)]
             # Stream w is the documented stream of task worker:w, whichever process.
             assert run["keys"] == [worker_stream(SEED, w).key for w in range(PS_WORKERS)]
@@ -189,7 +203,8 @@ class TestMultiWorkerMirrored:
         seeds = [results[i]["local"][str(i)]["seed_for"] for i in range(MWMS_WORKERS)]
         assert len(set(seeds)) == MWMS_WORKERS
         assert seeds[1] == ReplicaRNG(SEED, MWMS_WORKERS, worker=("worker", 1)).seed_for(
-            "augment", replica_id=1)
+            "augment", replica_id=1
+        )
 
     def test_a_rerun_with_the_same_seed_is_bitwise_equal(self, mwms_runs):
         first, second = mwms_runs

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import run_threads
 
 
 class Abort(Exception):
@@ -68,8 +68,11 @@ def test_rollback_restores_value_and_version_in_runtime_mode():
     with pytest.raises(Abort):
         safevars.transaction(
             [v],
-            _fail_after(lambda: v.assign(10.0), lambda: v.assign_add(1.0),
-                        lambda: v.update(lambda x: x * 2.0)),
+            _fail_after(
+                lambda: v.assign(10.0),
+                lambda: v.assign_add(1.0),
+                lambda: v.update(lambda x: x * 2.0),
+            ),
         )
     assert _state(v, read_in_graph) == _everywhere(2.0, 1)
     stats = v.statistics()

@@ -16,10 +16,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars.creator_scope import scope
-from threading_harness import run_threads
 
 BATCH = 4
 SAMPLES = 32
@@ -32,7 +32,8 @@ def make_model(units: int = 4) -> keras.Model:
         [
             keras.Input((3,)),
             keras.layers.Dense(
-                units, activation="tanh",
+                units,
+                activation="tanh",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=1),
             ),
             keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2)),
@@ -121,8 +122,9 @@ def test_layer_assign_set_weights_and_load_weights_are_counted(tmp_path, mode):
 
 
 def _fit(model, optimizer, epochs=1, run_eagerly=False, jit_compile=False):
-    model.compile(optimizer=optimizer, loss="mse", run_eagerly=run_eagerly,
-                  jit_compile=jit_compile)
+    model.compile(
+        optimizer=optimizer, loss="mse", run_eagerly=run_eagerly, jit_compile=jit_compile
+    )
     x, y = data()
     model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return epochs * STEPS_PER_EPOCH
@@ -130,22 +132,33 @@ def _fit(model, optimizer, epochs=1, run_eagerly=False, jit_compile=False):
 
 def _assert_one_version_per_step(model, optimizer, steps):
     assert versions(model.trainable_variables) == [steps] * len(model.trainable_variables)
-    slots = [v for v in optimizer.variables if v is not optimizer.iterations
-             and "learning_rate" not in v.path]
+    slots = [
+        v
+        for v in optimizer.variables
+        if v is not optimizer.iterations and "learning_rate" not in v.path
+    ]
     assert slots and versions(slots) == [steps] * len(slots)
     assert int(optimizer.iterations.numpy()) == steps
 
 
 @pytest.mark.parametrize(
     "how, name",
-    [("eager", "adam"), ("eager", "sgd_momentum"), ("tf_function", "adam"),
-     ("tf_function", "sgd_momentum"), ("xla", "adam")],  # (one XLA case: compiling is slow)
+    [
+        ("eager", "adam"),
+        ("eager", "sgd_momentum"),
+        ("tf_function", "adam"),
+        ("tf_function", "sgd_momentum"),
+        ("xla", "adam"),
+    ],  # (one XLA case: compiling is slow)
 )
 def test_fit_with_a_plain_optimizer_counts_each_step_once(how, name):
     with scope():
         model = make_model()
-        optimizer = (keras.optimizers.Adam(1e-2) if name == "adam"
-                     else keras.optimizers.SGD(1e-2, momentum=0.9))
+        optimizer = (
+            keras.optimizers.Adam(1e-2)
+            if name == "adam"
+            else keras.optimizers.SGD(1e-2, momentum=0.9)
+        )
     steps = _fit(model, optimizer, run_eagerly=how == "eager", jit_compile=how == "xla")
     _assert_one_version_per_step(model, optimizer, steps)
     assert backing(optimizer.iterations).version == steps
@@ -209,9 +222,7 @@ def test_custom_loop_under_one_device_strategy():
 
     @tf.function
     def step():
-        strategy.run(
-            lambda: optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        )
+        strategy.run(lambda: optimizer.apply_gradients(zip(grads, model.trainable_variables)))
 
     with strategy.scope():
         for _ in range(3):
@@ -278,7 +289,9 @@ def test_keras_assign_add_keeps_keras_arithmetic():
     with scope():
         count = keras.Variable(3, dtype="int32")
         vector = keras.Variable(np.ones(3, np.float32))
-    assert int(count.assign_add(2.7).numpy()) == int(keras.Variable(3, dtype="int32").assign_add(2.7))
+    assert int(count.assign_add(2.7).numpy()) == int(
+        keras.Variable(3, dtype="int32").assign_add(2.7)
+    )
     out = vector.assign_sub(1.0)  # a scalar broadcasts, as Keras' own self - value does
     np.testing.assert_array_equal(out.numpy(), [0.0, 0.0, 0.0])
     assert backing(count).version == 1 and backing(vector).version == 1
@@ -331,8 +344,15 @@ def test_snapshots_of_a_model_in_training_are_states_it_was_in():
     def role(i):
         if i == 0:
             try:
-                model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                          callbacks=[Record()])
+                model.fit(
+                    x,
+                    y,
+                    batch_size=BATCH,
+                    epochs=epochs,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[Record()],
+                )
             finally:
                 done.set()
             return

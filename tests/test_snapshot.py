@@ -8,10 +8,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import JOIN_TIMEOUT, run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import JOIN_TIMEOUT, run_threads
 
 
 def test_snapshot_is_immutable_and_unaffected_by_later_writes():
@@ -82,9 +82,7 @@ def test_no_torn_reads_under_concurrent_transactions(runtime_mode):
             step = 0
             while not stop.is_set():
                 amount = 1.0 if step % 2 == 0 else -1.0
-                safevars.transaction(
-                    [a, b], lambda: (a.assign_sub(amount), b.assign_add(amount))
-                )
+                safevars.transaction([a, b], lambda: (a.assign_sub(amount), b.assign_add(amount)))
                 step += 1
             return
         try:
@@ -215,7 +213,9 @@ def test_a_snapshot_reads_each_variable_at_most_twice_under_a_busy_writer(monkey
             assert not writer.is_alive()
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gen_resource_variable_ops, "read_variable_op", read_interrupted_by_a_writer)
+    monkeypatch.setattr(
+        gen_resource_variable_ops, "read_variable_op", read_interrupted_by_a_writer
+    )
     for _ in range(5):
         reads[0] = 0
         x, y = safevars.snapshot([a, b])

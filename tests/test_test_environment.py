@@ -17,12 +17,11 @@ import re
 import subprocess
 import sys
 import threading
-import tomllib
 import types
 
 import pytest
-
 import threading_harness
+import tomllib
 from threading_harness import call_bounded, join_all, run_threads
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -51,9 +50,22 @@ def _pytest_without_timeout(ci: str | None) -> subprocess.Popen:
     if ci is not None:
         env["CI"] = ci
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:timeout", "-p", "no:cacheprovider",
-         "--collect-only", str(THIS_FILE)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:timeout",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            str(THIS_FILE),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -108,7 +120,8 @@ def test_stuck_threads_fail_together_after_one_deadline(monkeypatch, stuck):
     monkeypatch.setattr(threading_harness, "JOIN_TIMEOUT", budget)
     # Only the harness's own threads are recorded (threading.Thread itself is untouched).
     monkeypatch.setattr(
-        threading_harness, "threading",
+        threading_harness,
+        "threading",
         types.SimpleNamespace(Thread=_Recorded, Barrier=threading.Barrier),
     )
     with pytest.raises(AssertionError, match="deadlock") as failure:

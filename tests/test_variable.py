@@ -164,8 +164,15 @@ class TestBadInput:
 
 
 @pytest.mark.parametrize(
-    "dtype, delta", [(tf.float64, 1.0), (tf.float64, 1), (tf.int64, 1), (tf.int32, 1),
-                     (tf.float16, 1.0), (tf.float32, 1)],
+    "dtype, delta",
+    [
+        (tf.float64, 1.0),
+        (tf.float64, 1),
+        (tf.int64, 1),
+        (tf.int32, 1),
+        (tf.float16, 1.0),
+        (tf.float32, 1),
+    ],
 )
 def test_python_number_writes_keep_the_variable_dtype(dtype, delta, mode):
     v = SafeVariable(tf.constant(5, dtype))

@@ -14,10 +14,10 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
-from threading_harness import run_threads
 
 THREADS = 4
 CALLS = 25

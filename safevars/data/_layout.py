@@ -81,8 +81,17 @@ class Layout:
 
     def fingerprint(self) -> int:
         """A 63-bit digest of everything a position depends on (checked on restore)."""
-        text = repr(("safevars.data.Layout/1", self.num_elements, self.num_workers,
-                     self.replicas_per_worker, self.remainder, self.shuffle, self.seed))
+        text = repr(
+            (
+                "safevars.data.Layout/1",
+                self.num_elements,
+                self.num_workers,
+                self.replicas_per_worker,
+                self.remainder,
+                self.shuffle,
+                self.seed,
+            )
+        )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & _INT64_MAX
 
     def shard_length(self, shard: int) -> int:
@@ -116,7 +125,8 @@ class Layout:
         if self.shuffle:
             seed = tf.stack([tf.constant(self.key, tf.int64), tf.cast(epoch, tf.int64)])
             ids = tf.random.experimental.index_shuffle(
-                position, seed, tf.constant(n - 1, tf.int64))
+                position, seed, tf.constant(n - 1, tf.int64)
+            )
         else:
             ids = position
         counter = epoch * length + slot
@@ -129,8 +139,12 @@ def _finish(elements: Elements, element: Any, weight: tf.Tensor) -> Any:
 
 
 def shard_stream(
-    layout: Layout, elements: Elements, shard: Any, start: tf.Tensor,
-    batch_size: int | None, epochs: int | None,
+    layout: Layout,
+    elements: Elements,
+    shard: Any,
+    start: tf.Tensor,
+    batch_size: int | None,
+    epochs: int | None,
 ) -> tf.data.Dataset:
     """The ``(element, receipt)`` dataset of ``shard`` from counter ``start`` on.
 
@@ -142,19 +156,25 @@ def shard_stream(
     start = tf.cast(start, tf.int64)
     length = layout.shard_length_tensor(shard)
     first_epoch, first_slot = start // length, start % length
-    stop = (tf.constant(_INT64_MAX, tf.int64) if epochs is None
-            else first_epoch + tf.constant(epochs, tf.int64))
+    stop = (
+        tf.constant(_INT64_MAX, tf.int64)
+        if epochs is None
+        else first_epoch + tf.constant(epochs, tf.int64)
+    )
     parallel = dict(num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
         begin = tf.where(tf.equal(epoch, first_epoch), first_slot, tf.constant(0, tf.int64))
-        slots = tf.data.Dataset.from_tensor_slices(
-            layout.epoch_slots(shard, epoch, begin, length))
+        slots = tf.data.Dataset.from_tensor_slices(layout.epoch_slots(shard, epoch, begin, length))
         if elements.vectorized:
             # One gather per batch (or chunk, unbatched again): no function call per element.
             out = slots.batch(batch_size or _CHUNK).map(
-                lambda s: (_finish(elements, elements.lookup_one(s["id"]), s["weight"]),
-                           s["receipt"]), **parallel)
+                lambda s: (
+                    _finish(elements, elements.lookup_one(s["id"]), s["weight"]),
+                    s["receipt"],
+                ),
+                **parallel,
+            )
             return out if batch_size is not None else out.unbatch()
 
         def one(s: dict[str, tf.Tensor]) -> Any:
@@ -170,8 +190,12 @@ def shard_stream(
 
 
 def worker_stream(
-    layout: Layout, elements: Elements, worker: Any, positions: tf.Tensor,
-    batch_size: int | None, epochs: int | None,
+    layout: Layout,
+    elements: Elements,
+    worker: Any,
+    positions: tf.Tensor,
+    batch_size: int | None,
+    epochs: int | None,
 ) -> tf.data.Dataset:
     """Worker ``worker``'s pipeline: its replicas' shards, one batch (or element) of each
     in turn, each from its position in ``positions``; ``worker`` may be a tensor."""
@@ -179,19 +203,24 @@ def worker_stream(
     streams = []
     for replica in range(replicas):
         shard = tf.cast(worker, tf.int64) * replicas + replica
-        streams.append(shard_stream(layout, elements, shard, tf.gather(positions, shard),
-                                    batch_size, epochs))
+        streams.append(
+            shard_stream(layout, elements, shard, tf.gather(positions, shard), batch_size, epochs)
+        )
     if replicas == 1:
         return streams[0]
     # Shards with more batches are the first ones ("spread"), so a round whose later
     # shards are exhausted still hands batch j to replica j.
     return tf.data.Dataset.choose_from_datasets(
-        streams, tf.data.Dataset.range(replicas).repeat(), stop_on_empty_dataset=False)
+        streams, tf.data.Dataset.range(replicas).repeat(), stop_on_empty_dataset=False
+    )
 
 
 def shard_ids(layout: Layout, shard: int, epoch: int) -> np.ndarray:
     """The element ids of ``shard`` in ``epoch``, in delivery order (computed eagerly)."""
     slots = layout.epoch_slots(
-        tf.constant(shard, tf.int64), tf.constant(epoch, tf.int64),
-        tf.constant(0, tf.int64), tf.constant(layout.shard_length(shard), tf.int64))
+        tf.constant(shard, tf.int64),
+        tf.constant(epoch, tf.int64),
+        tf.constant(0, tf.int64),
+        tf.constant(layout.shard_length(shard), tf.int64),
+    )
     return slots["id"].numpy()

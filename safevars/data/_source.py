@@ -62,8 +62,11 @@ def source_elements(source: Any, map_fn: Any, with_weights: bool) -> tuple[int, 
         if cardinality > 0:
             try:
                 tf.data.experimental.at(source, 0)
-            except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError,
-                    tf.errors.FailedPreconditionError) as e:
+            except (
+                tf.errors.UnimplementedError,
+                tf.errors.InvalidArgumentError,
+                tf.errors.FailedPreconditionError,
+            ) as e:
                 raise InvalidArgumentError(
                     "source is a tf.data.Dataset without random access (reading element i "
                     f"failed: {type(e).__name__}). Use transformations that support it "

@@ -88,7 +88,7 @@ from safevars.distribute import check_strategy, is_parameter_server
 from safevars.errors import InvalidArgumentError, NotCallableError, UnsupportedStrategyError
 from safevars.rng import ReplicaRNG, _check_int, _check_seed, _ps_device
 
-__all__ = ["ShardedInput", "REMAINDER_POLICIES"]
+__all__ = ["REMAINDER_POLICIES", "ShardedInput"]
 
 
 class ShardedInput(tf.Module):
@@ -175,10 +175,14 @@ class ShardedInput(tf.Module):
         parameter_server, default_workers, default_replicas = default_layout(strategy)
         fix = "Pass a positive int, or create the ShardedInput in strategy.scope()."
         num_workers = _check_int(
-            default_workers if num_workers is None else num_workers, "num_workers", 1, fix)
+            default_workers if num_workers is None else num_workers, "num_workers", 1, fix
+        )
         replicas_per_worker = _check_int(
             default_replicas if replicas_per_worker is None else replicas_per_worker,
-            "replicas_per_worker", 1, fix)
+            "replicas_per_worker",
+            1,
+            fix,
+        )
         num_elements, elements = source_elements(source, map_fn, bool(with_weights))
         if num_elements < 1:
             raise InvalidArgumentError(
@@ -200,18 +204,22 @@ class ShardedInput(tf.Module):
             )
         # Every check is done: nothing below can fail on a user's argument.
         super().__init__(name=name or "sharded_input")
-        self._layout = Layout(num_elements, num_workers, replicas_per_worker, remainder,
-                              bool(shuffle), seed)
+        self._layout = Layout(
+            num_elements, num_workers, replicas_per_worker, remainder, bool(shuffle), seed
+        )
         self._elements = elements
         self._parameter_server = parameter_server
         placement = tf.device(_ps_device(0)) if parameter_server else contextlib.nullcontext()
         with tf.init_scope(), placement:
             # Plain resource variables: never mirrored or sharded by a strategy scope.
             self.positions = resource_variable_ops.ResourceVariable(
-                tf.zeros([num_shards], tf.int64), trainable=False, name="positions")
+                tf.zeros([num_shards], tf.int64), trainable=False, name="positions"
+            )
             self.layout_fingerprint = resource_variable_ops.ResourceVariable(
-                tf.constant(self._layout.fingerprint(), tf.int64), trainable=False,
-                name="layout_fingerprint")
+                tf.constant(self._layout.fingerprint(), tf.int64),
+                trainable=False,
+                name="layout_fingerprint",
+            )
 
     # -- layout -------------------------------------------------------------------------
 
@@ -243,9 +251,11 @@ class ShardedInput(tf.Module):
 
     def __repr__(self) -> str:
         layout = self._layout
-        return (f"<safevars.ShardedInput n={layout.num_elements} workers={layout.num_workers} "
-                f"replicas_per_worker={layout.replicas_per_worker} "
-                f"remainder={layout.remainder!r} shuffle={layout.shuffle} seed={layout.seed}>")
+        return (
+            f"<safevars.ShardedInput n={layout.num_elements} workers={layout.num_workers} "
+            f"replicas_per_worker={layout.replicas_per_worker} "
+            f"remainder={layout.remainder!r} shuffle={layout.shuffle} seed={layout.seed}>"
+        )
 
     def shard_index(self, worker: int = 0, replica: int = 0) -> int:
         """``worker * replicas_per_worker + replica``, checked.
@@ -256,15 +266,18 @@ class ShardedInput(tf.Module):
         layout = self._layout
         worker = _check_int(worker, "worker", 0, f"Workers are 0..{layout.num_workers - 1}.")
         replica = _check_int(
-            replica, "replica", 0, f"Replicas are 0..{layout.replicas_per_worker - 1}.")
+            replica, "replica", 0, f"Replicas are 0..{layout.replicas_per_worker - 1}."
+        )
         if worker >= layout.num_workers:
             raise InvalidArgumentError(
                 f"worker={worker} is out of range: this ShardedInput has "
-                f"{layout.num_workers} worker(s).")
+                f"{layout.num_workers} worker(s)."
+            )
         if replica >= layout.replicas_per_worker:
             raise InvalidArgumentError(
                 f"replica={replica} is out of range: this ShardedInput has "
-                f"{layout.replicas_per_worker} replica(s) per worker.")
+                f"{layout.replicas_per_worker} replica(s) per worker."
+            )
         return worker * layout.replicas_per_worker + replica
 
     def shard_length(self, worker: int = 0, replica: int = 0) -> int:
@@ -308,18 +321,26 @@ class ShardedInput(tf.Module):
                 f"the checkpoint restored into {self!r} was written by a ShardedInput with "
                 "another layout (seed, number of elements, workers, replicas per worker, "
                 "remainder or shuffle): its positions do not apply. Restore into a "
-                "ShardedInput built with the same arguments.")
+                "ShardedInput built with the same arguments."
+            )
 
-    def _check_pipeline(self, batch_size: int | None, epochs: int | None,
-                        batch_required: bool) -> tuple[int | None, int | None]:
+    def _check_pipeline(
+        self, batch_size: int | None, epochs: int | None, batch_required: bool
+    ) -> tuple[int | None, int | None]:
         if batch_size is not None or batch_required:
             batch_size = _check_int(batch_size, "batch_size", 1, "Pass a positive batch size.")
         if epochs is not None:
             epochs = _check_int(epochs, "epochs", 1, "Pass a positive number, or None.")
         return batch_size, epochs
 
-    def dataset(self, worker: int = 0, replica: int = 0, *, batch_size: int | None = None,
-                epochs: int | None = None) -> tf.data.Dataset:
+    def dataset(
+        self,
+        worker: int = 0,
+        replica: int = 0,
+        *,
+        batch_size: int | None = None,
+        epochs: int | None = None,
+    ) -> tf.data.Dataset:
         """The ``(element, receipt)`` dataset of one shard, from its committed position.
 
         Commit every receipt (:meth:`commit`) once its element is used. ``receipt`` is an
@@ -349,17 +370,24 @@ class ShardedInput(tf.Module):
         if self._parameter_server:
             raise UnsupportedStrategyError(
                 "this ShardedInput was created under ParameterServerStrategy: its shards "
-                "are read on the workers. Use per_worker_dataset(coordinator, ...).")
+                "are read on the workers. Use per_worker_dataset(coordinator, ...)."
+            )
         shard = self.shard_index(worker, replica)
         batch_size, epochs = self._check_pipeline(batch_size, epochs, False)
         self._check_layout()
         start = self.positions.read_value()[shard]
-        return shard_stream(self._layout, self._elements, shard, start, batch_size,
-                            epochs).prefetch(tf.data.AUTOTUNE)
+        return shard_stream(
+            self._layout, self._elements, shard, start, batch_size, epochs
+        ).prefetch(tf.data.AUTOTUNE)
 
-    def distribute(self, strategy: tf.distribute.Strategy, batch_size: int, *,
-                   epochs: int | None = None,
-                   options: tf.distribute.InputOptions | None = None) -> Any:
+    def distribute(
+        self,
+        strategy: tf.distribute.Strategy,
+        batch_size: int,
+        *,
+        epochs: int | None = None,
+        options: tf.distribute.InputOptions | None = None,
+    ) -> Any:
         """Per-replica batches under ``MirroredStrategy``/``MultiWorkerMirroredStrategy``.
 
         Replica ``r`` of worker ``w`` gets ``(element, receipt)`` batches of shard
@@ -387,7 +415,8 @@ class ShardedInput(tf.Module):
         check_strategy(strategy)
         if is_parameter_server(strategy) or self._parameter_server:
             raise UnsupportedStrategyError(
-                "under ParameterServerStrategy use per_worker_dataset(coordinator, ...).")
+                "under ParameterServerStrategy use per_worker_dataset(coordinator, ...)."
+            )
         batch_size, epochs = self._check_pipeline(batch_size, epochs, True)
         self._check_layout()
         layout = self._layout
@@ -397,15 +426,18 @@ class ShardedInput(tf.Module):
             if context.num_input_pipelines != layout.num_workers:
                 raise InvalidArgumentError(
                     f"the strategy has {context.num_input_pipelines} input pipelines, this "
-                    f"ShardedInput num_workers={layout.num_workers}.")
+                    f"ShardedInput num_workers={layout.num_workers}."
+                )
             worker = context.input_pipeline_id
-            return worker_stream(layout, self._elements, worker, self.positions.read_value(),
-                                 batch_size, epochs).prefetch(tf.data.AUTOTUNE)
+            return worker_stream(
+                layout, self._elements, worker, self.positions.read_value(), batch_size, epochs
+            ).prefetch(tf.data.AUTOTUNE)
 
         return strategy.distribute_datasets_from_function(dataset_fn, options)
 
-    def per_worker_dataset(self, coordinator: Any, batch_size: int | None = None, *,
-                           epochs: int | None = None) -> Any:
+    def per_worker_dataset(
+        self, coordinator: Any, batch_size: int | None = None, *, epochs: int | None = None
+    ) -> Any:
         """Every worker's ``(element, receipt)`` dataset under ``ParameterServerStrategy``.
 
         ``coordinator.create_per_worker_dataset`` of a function that reads shard ``w``
@@ -438,7 +470,8 @@ class ShardedInput(tf.Module):
             raise UnsupportedStrategyError(
                 "per_worker_dataset needs a ShardedInput created in "
                 "ParameterServerStrategy.scope() on the coordinator, so that its positions "
-                "live on a parameter server every worker reaches.")
+                "live on a parameter server every worker reaches."
+            )
         check_coordinator(coordinator, self._layout)
         batch_size, epochs = self._check_pipeline(batch_size, epochs, False)
         self._check_layout()
@@ -446,9 +479,14 @@ class ShardedInput(tf.Module):
 
         def dataset_fn() -> tf.data.Dataset:
             worker = tf.cast(worker_index(), tf.int64)
-            return worker_stream(self._layout, self._elements, worker,
-                                 self.positions.read_value(), batch_size,
-                                 epochs).prefetch(tf.data.AUTOTUNE)
+            return worker_stream(
+                self._layout,
+                self._elements,
+                worker,
+                self.positions.read_value(),
+                batch_size,
+                epochs,
+            ).prefetch(tf.data.AUTOTUNE)
 
         return coordinator.create_per_worker_dataset(dataset_fn)
 
@@ -481,8 +519,7 @@ class ShardedInput(tf.Module):
           ``ParameterServerStrategy`` in a scheduled function (the positions live on a
           parameter server).
         """
-        dependencies = [d for d in tf.nest.flatten(after, expand_composites=True)
-                        if d is not None]
+        dependencies = [d for d in tf.nest.flatten(after, expand_composites=True) if d is not None]
         with tf.control_dependencies(dependencies):
             # One receipt tensor per local replica for distributed values.
             for part in tf.nest.flatten(receipt, expand_composites=True):
@@ -499,17 +536,27 @@ class ShardedInput(tf.Module):
             shards, counters = part[:, 0], part[:, 1]
             first_shard, first, updates = shards[:1], counters[:1], counters + 1
         handle = self.positions.handle
-        committed = tf.raw_ops.ResourceGather(resource=handle, indices=first_shard,
-                                              dtype=tf.int64)
+        committed = tf.raw_ops.ResourceGather(resource=handle, indices=first_shard, dtype=tf.int64)
         same = tf.equal(first, committed)
         if same.shape.rank != 0:
             same = tf.reduce_all(same)
-        check = tf.debugging.Assert(same, [
-            "safevars.ShardedInput.commit: shard", first_shard, "receipt starts at",
-            first, "but the committed position is", committed, "- a receipt must continue "
-            "its shard exactly: a later one skips elements received and never committed, "
-            "an earlier one repeats committed elements (a pipeline built before those "
-            "commits: build it again). Commit every receipt once, in order."])
+        check = tf.debugging.Assert(
+            same,
+            [
+                "safevars.ShardedInput.commit: shard",
+                first_shard,
+                "receipt starts at",
+                first,
+                "but the committed position is",
+                committed,
+                (
+                    "- a receipt must continue "
+                    "its shard exactly: a later one skips elements received and never committed, "
+                    "an earlier one repeats committed elements (a pipeline built before those "
+                    "commits: build it again). Commit every receipt once, in order."
+                ),
+            ],
+        )
         with tf.control_dependencies([check]):
             tf.raw_ops.ResourceScatterMax(resource=handle, indices=shards, updates=updates)
 

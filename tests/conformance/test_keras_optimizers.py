@@ -90,8 +90,12 @@ def factory(real: type) -> type:
             return SafeOptimizer.from_config(config, custom_objects=custom_objects)
         return make_safe(real.from_config(config, custom_objects=custom_objects))
 
-    namespace = {"real": real, "from_config": classmethod(from_config),
-                 "__doc__": real.__doc__, "__module__": real.__module__}
+    namespace = {
+        "real": real,
+        "from_config": classmethod(from_config),
+        "__doc__": real.__doc__,
+        "__module__": real.__module__,
+    }
     return _Factory(real.__name__, (), namespace)
 
 
@@ -140,7 +144,8 @@ def standin_package() -> types.ModuleType:
 
 def keras_test_modules() -> list[str]:
     return sorted(
-        info.name for info in pkgutil.iter_modules(keras_optimizers.__path__)
+        info.name
+        for info in pkgutil.iter_modules(keras_optimizers.__path__)
         if info.name.endswith("_test")
     )
 
@@ -161,7 +166,8 @@ def load(name: str) -> types.ModuleType:
     if WRAPPED:
         for attr, value in list(vars(module).items()):
             if (
-                isinstance(value, type) and issubclass(value, RealOptimizer)
+                isinstance(value, type)
+                and issubclass(value, RealOptimizer)
                 and not isinstance(value, (_Factory, _SubclassFactory))
             ):
                 setattr(module, attr, factory(value))
@@ -173,7 +179,8 @@ for _name in keras_test_modules():
     _module = load(_name)
     for _attr, _value in vars(_module).items():
         if (
-            isinstance(_value, type) and issubclass(_value, unittest.TestCase)
+            isinstance(_value, type)
+            and issubclass(_value, unittest.TestCase)
             and _value.__module__ == _module.__name__
         ):
             globals()[f"Test_{_name}_{_attr}"] = _value
@@ -196,8 +203,12 @@ def _exclusions(request: pytest.FixtureRequest) -> None:
 def test_the_keras_tests_build_safe_optimizers() -> None:
     modules = {name: sys.modules[f"{PREFIX}.{name}"] for name in keras_test_modules()}
     assert isinstance(modules["adam_test"].Adam(0.1), SafeOptimizer)
-    assert isinstance(modules["loss_scale_optimizer_test"].LossScaleOptimizer(
-        modules["loss_scale_optimizer_test"].SGD()).inner_optimizer, SafeOptimizer)
+    assert isinstance(
+        modules["loss_scale_optimizer_test"]
+        .LossScaleOptimizer(modules["loss_scale_optimizer_test"].SGD())
+        .inner_optimizer,
+        SafeOptimizer,
+    )
     sparse = modules["optimizer_sparse_test"]
     assert isinstance(sparse.optimizers.get("sgd"), SafeOptimizer)
     for case in sparse.TEST_CASES:  # built when the module ran, from the stand-in package
@@ -208,8 +219,11 @@ def test_the_keras_tests_build_safe_optimizers() -> None:
 def test_every_keras_optimizer_test_module_is_collected() -> None:
     names = keras_test_modules()
     assert len(names) >= 15, names
-    collected = {value.__module__.split(".")[-1] for key, value in globals().items()
-                 if key.startswith("Test_")}
+    collected = {
+        value.__module__.split(".")[-1]
+        for key, value in globals().items()
+        if key.startswith("Test_")
+    }
     assert collected == set(names)
     assert keras.__version__.startswith("3.")
 

@@ -21,8 +21,12 @@ def main() -> None:
     parser.add_argument("index", type=int)
     parser.add_argument("ports")
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--dump-after", type=float, default=0.0,
-                        help="print every thread's stack and exit after this many seconds")
+    parser.add_argument(
+        "--dump-after",
+        type=float,
+        default=0.0,
+        help="print every thread's stack and exit after this many seconds",
+    )
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     if args.dump_after > 0:  # A hang shows where it hangs instead of only timing out.
@@ -73,9 +77,9 @@ def main() -> None:
 
     # -- Eager strategy.run, then take inside strategy.run -------------------------------
 
-    eager_added = local(strategy.run(
-        lambda: exact.add(split(tf.gather(hard, steps * replicas + replica_id())))
-    ))
+    eager_added = local(
+        strategy.run(lambda: exact.add(split(tf.gather(hard, steps * replicas + replica_id()))))
+    )
 
     @tf.function
     def take_in_replicas():
@@ -130,9 +134,7 @@ def main() -> None:
     # -- One worker's gradient is not finite: every worker refuses the step --------------
 
     def bad_on_worker_1():
-        row = tf.ones([6]) * tf.where(
-            tf.equal(replica_id(), 1), float("nan"), 1.0
-        )
+        row = tf.ones([6]) * tf.where(tf.equal(replica_id(), 1), float("nan"), 1.0)
         return strict.add(split(row))
 
     try:
@@ -154,30 +156,34 @@ def main() -> None:
         graph_refusal = "NonFiniteGradientError" in str(e) and type(e).__name__
     graph_refusal_statistics = list(strict.statistics())
 
-    print(json.dumps({
-        "index": args.index,
-        "replicas": replicas,
-        "graph_added": graph_added,
-        "graph_statistics": graph_statistics,
-        "graph_take": graph_take,
-        "eager_added": [int(n) for n in eager_added],
-        "replica_takes": replica_takes,
-        "sparse_added": sparse_added,
-        "sparse_take": sparse_take,
-        "stale_added": stale_added,
-        "stale_statistics": stale_statistics,
-        "same_added": same_added,
-        "same_count": same_count,
-        "per_replica_added": int(per_replica_added),
-        "per_replica_take": per_replica_take,
-        "per_replica_statistics": per_replica_statistics,
-        "eager_refusal": eager_refusal,
-        "eager_refusal_statistics": eager_refusal_statistics,
-        "after_refusal": after_refusal,
-        "graph_refusal": graph_refusal,
-        "graph_refusal_statistics": graph_refusal_statistics,
-        "state_devices": [exact._state.device, exact._guard.device],
-    }))
+    print(
+        json.dumps(
+            {
+                "index": args.index,
+                "replicas": replicas,
+                "graph_added": graph_added,
+                "graph_statistics": graph_statistics,
+                "graph_take": graph_take,
+                "eager_added": [int(n) for n in eager_added],
+                "replica_takes": replica_takes,
+                "sparse_added": sparse_added,
+                "sparse_take": sparse_take,
+                "stale_added": stale_added,
+                "stale_statistics": stale_statistics,
+                "same_added": same_added,
+                "same_count": same_count,
+                "per_replica_added": int(per_replica_added),
+                "per_replica_take": per_replica_take,
+                "per_replica_statistics": per_replica_statistics,
+                "eager_refusal": eager_refusal,
+                "eager_refusal_statistics": eager_refusal_statistics,
+                "after_refusal": after_refusal,
+                "graph_refusal": graph_refusal,
+                "graph_refusal_statistics": graph_refusal_statistics,
+                "state_devices": [exact._state.device, exact._guard.device],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,12 @@ def hard_contributions(count: int, seed: int) -> np.ndarray:
     tests/test_accumulator_distributed.py recomputes them from the same seed.
     """
     rng = np.random.default_rng(seed)
-    return np.stack([
-        (rng.standard_normal(SIZE) * 10.0 ** rng.uniform(-6, 6, SIZE)).astype(np.float32)
-        for _ in range(count)
-    ])
+    return np.stack(
+        [
+            (rng.standard_normal(SIZE) * 10.0 ** rng.uniform(-6, 6, SIZE)).astype(np.float32)
+            for _ in range(count)
+        ]
+    )
 
 
 def counted_contributions(count: int) -> np.ndarray:
@@ -65,8 +67,12 @@ def error_of(call) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--dump-after", type=float, default=0.0,
-                        help="print every thread's stack and exit after this many seconds")
+    parser.add_argument(
+        "--dump-after",
+        type=float,
+        default=0.0,
+        help="print every thread's stack and exit after this many seconds",
+    )
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--count", type=int, default=48)
@@ -234,45 +240,52 @@ def main() -> None:
         "scheduled": error_of(lambda: coordinator.schedule(add_outside)),
     }
 
-    print(json.dumps({
-        "workers": workers,
-        "count": count,
-        "devices": {
-            "kernel": kernel.device, "exact": exact._state.device,
-            "exact_lock": exact._guard.cs._handle.device,
-        },
-        "orders": orders,
-        "scheduled_workers": scheduled_workers,
-        "scheduled_added": scheduled_added,
-        "exact_statistics": list(exact_statistics),
-        "exact_takes": exact_takes,
-        "loop_workers": loop_workers,
-        "loop_takes": loop_takes,
-        "contention": {
-            "contributions": workers * rounds,
-            "expected": expected.tolist(),
-            "plain": plain_total.tolist(),
-            "fast": np.concatenate([fast_total[0].numpy().ravel(),
-                                    fast_total[1].numpy()]).tolist(),
-            "fast_statistics": list(fast.statistics()),
-            "coordinator_takes": len(coordinator_takes),
-            "last_take": coordinator_takes[-1].tolist(),
-            "coordinator_taken": np.sum(coordinator_takes, axis=0).tolist(),
-            "counted_statistics": list(counted_statistics),
-            "worker_taken": worker_taken.tolist(),
-            "ready_rest": ready_rest.tolist(),
-            "ready_statistics": list(ready.statistics()),
-            "ready_fillers": fillers,
-        },
-        "in_replica": [int(r.fetch()) for r in in_replica],
-        "checkpoint": {
-            "pending_before_restore": pending_before_restore,
-            "pending_after_restore": pending_after_restore,
-            "restored": np.concatenate([restored[0].numpy().ravel(),
-                                        restored[1].numpy()]).tolist(),
-        },
-        "errors": errors,
-    }))
+    print(
+        json.dumps(
+            {
+                "workers": workers,
+                "count": count,
+                "devices": {
+                    "kernel": kernel.device,
+                    "exact": exact._state.device,
+                    "exact_lock": exact._guard.cs._handle.device,
+                },
+                "orders": orders,
+                "scheduled_workers": scheduled_workers,
+                "scheduled_added": scheduled_added,
+                "exact_statistics": list(exact_statistics),
+                "exact_takes": exact_takes,
+                "loop_workers": loop_workers,
+                "loop_takes": loop_takes,
+                "contention": {
+                    "contributions": workers * rounds,
+                    "expected": expected.tolist(),
+                    "plain": plain_total.tolist(),
+                    "fast": np.concatenate(
+                        [fast_total[0].numpy().ravel(), fast_total[1].numpy()]
+                    ).tolist(),
+                    "fast_statistics": list(fast.statistics()),
+                    "coordinator_takes": len(coordinator_takes),
+                    "last_take": coordinator_takes[-1].tolist(),
+                    "coordinator_taken": np.sum(coordinator_takes, axis=0).tolist(),
+                    "counted_statistics": list(counted_statistics),
+                    "worker_taken": worker_taken.tolist(),
+                    "ready_rest": ready_rest.tolist(),
+                    "ready_statistics": list(ready.statistics()),
+                    "ready_fillers": fillers,
+                },
+                "in_replica": [int(r.fetch()) for r in in_replica],
+                "checkpoint": {
+                    "pending_before_restore": pending_before_restore,
+                    "pending_after_restore": pending_after_restore,
+                    "restored": np.concatenate(
+                        [restored[0].numpy().ravel(), restored[1].numpy()]
+                    ).tolist(),
+                },
+                "errors": errors,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

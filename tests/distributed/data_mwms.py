@@ -25,7 +25,8 @@ SHORT = dict(size=21, batch=5)  # 6, 5, 5, 5 elements: worker 1 runs out a step 
 def two_replicas_per_worker(tf) -> None:
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration()] * LOCAL_REPLICAS)
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * LOCAL_REPLICAS
+    )
     from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
     original = cars.CollectiveAllReduceExtended._initialize_local_devices
@@ -80,8 +81,12 @@ def main() -> None:
         for _ in range(count):
             replica_ids, ids, weights, _ = step(iterator)
             local = strategy.experimental_local_results
-            rows.append([[int(r), i.numpy().tolist(), w.numpy().tolist()]
-                         for r, i, w in zip(local(replica_ids), local(ids), local(weights))])
+            rows.append(
+                [
+                    [int(r), i.numpy().tolist(), w.numpy().tolist()]
+                    for r, i, w in zip(local(replica_ids), local(ids), local(weights))
+                ]
+            )
         return rows
 
     result = {"index": args.index, "replicas": strategy.num_replicas_in_sync, "cases": {}}
@@ -92,7 +97,10 @@ def main() -> None:
         iterator = iter(data.distribute(strategy, SPREAD["batch"], epochs=1))
         cases[remainder] = steps(data, iterator, data.steps_per_epoch(SPREAD["batch"]))
         result.setdefault("layout", {})[remainder] = [
-            data.num_workers, data.replicas_per_worker, data.num_shards]
+            data.num_workers,
+            data.replicas_per_worker,
+            data.num_shards,
+        ]
     data = make(SHORT["size"], args.seed, "spread")
     iterator = iter(data.distribute(strategy, SHORT["batch"], epochs=1))
     cases["short"] = steps(data, iterator, data.steps_per_epoch(SHORT["batch"]))
@@ -105,7 +113,8 @@ def main() -> None:
     iterator = iter(data.distribute(strategy, SPREAD["batch"]))
     cases["before_checkpoint"] = steps(data, iterator, 4)
     path = tf.train.Checkpoint(data=data).write(
-        os.path.join(args.out, f"worker{args.index}", "ckpt"))
+        os.path.join(args.out, f"worker{args.index}", "ckpt")
+    )
     result["checkpoint"] = path
     result["positions_at_checkpoint"] = data.positions.numpy().tolist()
     cases["after_checkpoint"] = steps(data, iterator, 2)

@@ -39,7 +39,9 @@ WAIT_SECONDS = 60.0  # Bound on every wait for the cluster (a failure, not a tim
 def start_worker_1(spec: dict) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--serve", json.dumps(spec), "worker", "1"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     assert line == "ready", f"worker 1 did not start: {line!r}"
     return proc
@@ -81,10 +83,17 @@ def run(args: argparse.Namespace, spec: dict, processes: list) -> None:
     worker_config = tf.compat.v1.ConfigProto()
     worker_config.inter_op_parallelism_threads = WORKERS + 1
     for job, index in (("worker", 0), ("worker", 2), ("ps", 0)):
-        tf.distribute.Server(cluster, job_name=job, task_index=index, protocol="grpc",
-                             config=worker_config if job == "worker" else None, start=True)
+        tf.distribute.Server(
+            cluster,
+            job_name=job,
+            task_index=index,
+            protocol="grpc",
+            config=worker_config if job == "worker" else None,
+            start=True,
+        )
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc"))
+        tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
+    )
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     size, batch = args.size, args.batch
     with strategy.scope():
@@ -109,12 +118,16 @@ def run(args: argparse.Namespace, spec: dict, processes: list) -> None:
                 with tf.control_dependencies([in_flight.assign(receipt[0])]):
                     return never.dequeue()
 
-            blocked = tf.cond(tf.logical_and(tf.equal(worker, 1), tf.equal(armed, 1)),
-                              hang, lambda: tf.constant(0, tf.int64))
+            blocked = tf.cond(
+                tf.logical_and(tf.equal(worker, 1), tf.equal(armed, 1)),
+                hang,
+                lambda: tf.constant(0, tf.int64),
+            )
             with tf.control_dependencies([blocked]):
                 epoch = tf.minimum(receipt[:, 1] // tf.gather(lengths, receipt[:, 0]), 1)
-                update = trained.scatter_add(tf.IndexedSlices(
-                    tf.ones_like(ids), epoch * size + ids))
+                update = trained.scatter_add(
+                    tf.IndexedSlices(tf.ones_like(ids), epoch * size + ids)
+                )
             source.commit(receipt, after=update)
             return worker, ids, receipt
 
@@ -164,9 +177,16 @@ def run(args: argparse.Namespace, spec: dict, processes: list) -> None:
     coordinator.join()
     log += pending
     ends = [data.shard_length(w) for w in range(WORKERS)]
-    schedule_until(data, step, iterator, lambda: all(
-        p >= max(e, taken[1] + batch if w == 1 else 0)
-        for w, (p, e) in enumerate(zip(positions(data), ends))), log)
+    schedule_until(
+        data,
+        step,
+        iterator,
+        lambda: all(
+            p >= max(e, taken[1] + batch if w == 1 else 0)
+            for w, (p, e) in enumerate(zip(positions(data), ends))
+        ),
+        log,
+    )
     phase2_positions = positions(data)
     phase2_trained = trained.numpy().tolist()
 
@@ -175,35 +195,54 @@ def run(args: argparse.Namespace, spec: dict, processes: list) -> None:
         restored = ShardedInput(size, seed=args.seed)
     tf.train.Checkpoint(data=restored).read(checkpoint_path).assert_consumed()
     restored_log: list = []
-    schedule_until(restored, make_step(restored),
-                   iter(restored.per_worker_dataset(coordinator, batch)),
-                   lambda: all(p >= e for p, e in zip(positions(restored), ends)), restored_log)
+    schedule_until(
+        restored,
+        make_step(restored),
+        iter(restored.per_worker_dataset(coordinator, batch)),
+        lambda: all(p >= e for p, e in zip(positions(restored), ends)),
+        restored_log,
+    )
 
     # Phase 4: another seed.
     with strategy.scope():
         other = ShardedInput(size, seed=args.other_seed)
     other_log: list = []
-    schedule_until(other, make_step(other), iter(other.per_worker_dataset(coordinator, batch)),
-                   lambda: min(positions(other)) >= 4, other_log)
+    schedule_until(
+        other,
+        make_step(other),
+        iter(other.per_worker_dataset(coordinator, batch)),
+        lambda: min(positions(other)) >= 4,
+        other_log,
+    )
 
     errors = {}
     try:
         data.dataset(0)
     except SafeVarsError as e:
         errors["dataset"] = f"{type(e).__name__}: {e}"
-    print(json.dumps({
-        "size": size, "batch": batch, "seed": args.seed, "other_seed": args.other_seed,
-        "num_workers": data.num_workers, "lengths": ends,
-        "positions_device": data.positions.device,
-        "checkpoint": checkpoint_path, "at_checkpoint": at_checkpoint,
-        "in_flight": taken, "positions_when_killed": positions_when_killed,
-        "phase2_positions": phase2_positions,
-        "committed": committed(log),
-        "trained": phase2_trained,
-        "restored": committed(restored_log),
-        "other": committed(other_log),
-        "errors": errors,
-    }))
+    print(
+        json.dumps(
+            {
+                "size": size,
+                "batch": batch,
+                "seed": args.seed,
+                "other_seed": args.other_seed,
+                "num_workers": data.num_workers,
+                "lengths": ends,
+                "positions_device": data.positions.device,
+                "checkpoint": checkpoint_path,
+                "at_checkpoint": at_checkpoint,
+                "in_flight": taken,
+                "positions_when_killed": positions_when_killed,
+                "phase2_positions": phase2_positions,
+                "committed": committed(log),
+                "trained": phase2_trained,
+                "restored": committed(restored_log),
+                "other": committed(other_log),
+                "errors": errors,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

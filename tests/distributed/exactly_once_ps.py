@@ -71,8 +71,17 @@ class Workers:
 
     def start(self, index: int) -> None:
         proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", json.dumps(self.spec),
-             "worker", str(index)], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--serve",
+                json.dumps(self.spec),
+                "worker",
+                str(index),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = proc.stdout.readline().strip()
         assert line == "ready", f"worker {index} did not start: {line!r}"
         with self.lock:
@@ -136,10 +145,17 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = WORKERS + 1
     for job, index in (("worker", 0), ("ps", 0)):
-        tf.distribute.Server(cluster, job_name=job, task_index=index, protocol="grpc",
-                             config=config if job == "worker" else None, start=True)
+        tf.distribute.Server(
+            cluster,
+            job_name=job,
+            task_index=index,
+            protocol="grpc",
+            config=config if job == "worker" else None,
+            start=True,
+        )
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc"))
+        tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
+    )
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     worker_index = tf.distribute.coordinator.experimental_get_current_worker_index
     rng = random.Random(args.seed)
@@ -162,8 +178,9 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
         """After ``written``: block if this worker is armed; fail if ``number`` is poison."""
         with tf.control_dependencies(written):
             held = tf.cond(mine(), hang, lambda: tf.constant(0, tf.int64))
-            check = tf.debugging.Assert(tf.not_equal(number, poison.read_value()),
-                                        ["poisoned step", number])
+            check = tf.debugging.Assert(
+                tf.not_equal(number, poison.read_value()), ["poisoned step", number]
+            )
         with tf.control_dependencies([held, check]):
             return tf.identity(number)
 
@@ -171,12 +188,14 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
         with strategy.scope():
             state = {
                 "counter": safevars.SafeVariable(0.0),
-                "a": safevars.SafeVariable(1000.0), "b": safevars.SafeVariable(0.0),
+                "a": safevars.SafeVariable(1000.0),
+                "b": safevars.SafeVariable(0.0),
                 "w": safevars.SafeVariable(tf.zeros([2])),
                 "g": tf.Variable(tf.zeros([2])),
             }
-            state["acc"] = safevars.GradientAccumulator([state["g"]], reduction="sum",
-                                                        deterministic=False)
+            state["acc"] = safevars.GradientAccumulator(
+                [state["g"]], reduction="sum", deterministic=False
+            )
             state["opt"] = safevars.SafeOptimizer(keras.optimizers.SGD(1.0))
             state["opt"].build([state["w"]])
         return state
@@ -205,13 +224,19 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     def figures(state) -> dict:
         counter, a, b, w = state["counter"], state["a"], state["b"], state["w"]
         return {
-            "counter": float(counter.numpy()), "counter_version": int(counter.version),
-            "a": float(a.numpy()), "b": float(b.numpy()),
-            "a_version": int(a.version), "b_version": int(b.version),
+            "counter": float(counter.numpy()),
+            "counter_version": int(counter.version),
+            "a": float(a.numpy()),
+            "b": float(b.numpy()),
+            "a_version": int(a.version),
+            "b_version": int(b.version),
             "accumulated": state["acc"].statistics().added,
-            "w": w.numpy().tolist(), "iterations": int(state["opt"].iterations.numpy()),
-            "discarded": {name: state[name].statistics().duplicates_discarded
-                          for name in ("counter", "a", "b", "w")},
+            "w": w.numpy().tolist(),
+            "iterations": int(state["opt"].iterations.numpy()),
+            "discarded": {
+                name: state[name].statistics().duplicates_discarded
+                for name in ("counter", "a", "b", "w")
+            },
         }
 
     def drain() -> None:
@@ -241,8 +266,10 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
         coordinator.join()
         restarting.join(WAIT_SECONDS)
         drain()
-        log(f"worker {index} killed with a step in flight, restarted; "
-            f"{len(handles)} steps scheduled")
+        log(
+            f"worker {index} killed with a step in flight, restarted; "
+            f"{len(handles)} steps scheduled"
+        )
 
     def plain_schedule(step_fn, i):
         return coordinator.schedule(step_fn, args=(tf.constant(i, tf.int64),))
@@ -258,8 +285,11 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     step = make_step(state)
     handles: list = []
     kill_blocked(step, plain_schedule, 1, handles)
-    result["plain"] = {"scheduled": len(handles), "done": sum(map(_fetched, handles)),
-                       **figures(state)}
+    result["plain"] = {
+        "scheduled": len(handles),
+        "done": sum(map(_fetched, handles)),
+        **figures(state),
+    }
     log(f"plain: {result['plain']}")
 
     # ------------------------------------------------------------- exactly-once runs
@@ -279,14 +309,17 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
         coordinator.join()
         kill_blocked(step, once_schedule, 2, handles)
         outcomes = [h.outcome() for h in handles]
-        result["runs"].append({
-            "scheduled": len(handles), "done": outcomes.count("done"),
-            "outcomes": sorted(set(outcomes)),
-            "discarded_after_first_kill": after_first,
-            "seconds": round(time.monotonic() - run_started, 1),
-            **figures(state),
-            "accumulated_sum": [float(x) for x in state["acc"].take()[0].numpy()],
-        })
+        result["runs"].append(
+            {
+                "scheduled": len(handles),
+                "done": outcomes.count("done"),
+                "outcomes": sorted(set(outcomes)),
+                "discarded_after_first_kill": after_first,
+                "seconds": round(time.monotonic() - run_started, 1),
+                **figures(state),
+                "accumulated_sum": [float(x) for x in state["acc"].take()[0].numpy()],
+            }
+        )
         log(f"run: {result['runs'][-1]}")
 
     # ------------------------------------------------------------- late input
@@ -320,8 +353,11 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     coordinator.join()
     restarting.join(WAIT_SECONDS)
     drain()
-    result["late"] = {"scheduled": len(handles), "done": sum(map(_fetched, handles)),
-                      **figures(state)}
+    result["late"] = {
+        "scheduled": len(handles),
+        "done": sum(map(_fetched, handles)),
+        **figures(state),
+    }
     log(f"late: {result['late']}")
 
     # ------------------------------------------------------------- cancelled steps
@@ -347,8 +383,9 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
             return tf.identity(number)
 
     def by_number(step_fn, i):
-        return exactly_once.schedule(coordinator, step_fn,
-                                     args=(tf.constant(i, tf.int64),), token=i)
+        return exactly_once.schedule(
+            coordinator, step_fn, args=(tf.constant(i, tf.int64),), token=i
+        )
 
     handles = []
     until_blocked(count_step, by_number, 1, handles)
@@ -356,8 +393,9 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     poison.assign(in_flight)
     handles += [by_number(count_step, in_flight + i) for i in range(args.cancel_steps)]
     go.enqueue(0)  # the poisoned step fails now, with steps still queued
-    releaser = threading.Thread(target=_release_after_error,
-                                args=(handles[in_flight], handles[:in_flight], gate))
+    releaser = threading.Thread(
+        target=_release_after_error, args=(handles[in_flight], handles[:in_flight], gate)
+    )
     releaser.start()
     try:
         coordinator.join()
@@ -374,13 +412,17 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     coordinator.join()
     final = [h.outcome() for h in again]
     result["cancel"] = {
-        "scheduled": len(handles), "poisoned": in_flight, "join_error": join_error,
+        "scheduled": len(handles),
+        "poisoned": in_flight,
+        "join_error": join_error,
         "errors": {e: errors.count(e) for e in sorted(set(errors))},
         "first": {o: first.count(o) for o in sorted(set(first))},
         "by_error": sorted({f"{e}: {o}" for e, o in zip(errors, first)}),
-        "cancelled_but_applied": sum(e == "CancelledError" and o == "applied"
-                                     for e, o in zip(errors, first)),
-        "poisoned_outcome": first[in_flight], "poisoned_error": errors[in_flight],
+        "cancelled_but_applied": sum(
+            e == "CancelledError" and o == "applied" for e, o in zip(errors, first)
+        ),
+        "poisoned_outcome": first[in_flight],
+        "poisoned_error": errors[in_flight],
         "before_retry": before_retry,
         "final": {o: final.count(o) for o in sorted(set(final))},
         **figures(state),
@@ -468,8 +510,11 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
 
     coordinator.schedule(calls_traced_before)  # traces traced_before outside the wrapper
     coordinator.join()
-    for name, fn in (("loop", in_loop), ("nested", calls_inner),
-                     ("traced_before", calls_traced_before)):
+    for name, fn in (
+        ("loop", in_loop),
+        ("nested", calls_inner),
+        ("traced_before", calls_traced_before),
+    ):
         try:
             exactly_once.schedule(coordinator, fn)
             refused[name] = "accepted"
@@ -482,8 +527,9 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     result["kills"] = workers.kills
     result["seconds"] = round(time.monotonic() - started, 1)
     result["lock_device"] = state["counter"].guard.cs._handle.device
-    result["table_devices"] = sorted({
-        r.table.resource_handle.device for r in exactly_once._RECORDS.values()})
+    result["table_devices"] = sorted(
+        {r.table.resource_handle.device for r in exactly_once._RECORDS.values()}
+    )
     return result
 
 

@@ -43,8 +43,14 @@ def serve(spec: str, job: str, index: int, threads: int) -> None:
 
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = threads
-    server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec)), job_name=job,
-                                  task_index=index, protocol="grpc", config=config, start=True)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(json.loads(spec)),
+        job_name=job,
+        task_index=index,
+        protocol="grpc",
+        config=config,
+        start=True,
+    )
     print("ready", flush=True)
     parent = os.getppid()
     while os.getppid() == parent:

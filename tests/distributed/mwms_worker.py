@@ -39,14 +39,18 @@ def main() -> None:
 
     for _ in range(args.steps):
         step()
-    print(json.dumps({
-        "index": args.index,
-        "replicas": strategy.num_replicas_in_sync,
-        "counter": float(counter.numpy()),
-        "counter_version": int(counter.version),
-        "total": float(total.numpy()),
-        "total_version": int(total.version),
-    }))
+    print(
+        json.dumps(
+            {
+                "index": args.index,
+                "replicas": strategy.num_replicas_in_sync,
+                "counter": float(counter.numpy()),
+                "counter_version": int(counter.version),
+                "total": float(total.numpy()),
+                "total_version": int(total.version),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -105,30 +105,38 @@ def main() -> None:
     for _ in range(args.steps):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((reference(tf.constant(x)) - tf.constant(y)) ** 2)
-        plain.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables),
-                                  reference.trainable_variables))
+        plain.apply_gradients(
+            zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables)
+        )
     plain.apply_gradients(zip(extra, reference.trainable_variables))
 
     weights = [v.numpy() for v in model.trainable_variables]
-    print(json.dumps({
-        "index": args.index,
-        "replicas": strategy.num_replicas_in_sync,
-        "losses": losses,
-        "weights": [w.tobytes().hex() for w in weights],
-        "replica_values": replica_values,
-        "max_abs_error": float(max(
-            np.max(np.abs(w - r.numpy())) for w, r in zip(weights, reference.trainable_variables)
-        )),
-        "stale_changed_nothing": all(
-            np.array_equal(a, b) for a, b in zip(before_stale, after_stale)
-        ),
-        "statistics": list(opt.statistics()),
-        "iterations": int(opt.iterations.numpy()),
-        "versions": [wrap(v).version for v in model.trainable_variables],
-        "accumulated": accumulated.numpy().tolist(),
-        "accumulating_statistics": list(accumulating.statistics()),
-        "accumulating_version": wrap(accumulated).version,
-    }))
+    print(
+        json.dumps(
+            {
+                "index": args.index,
+                "replicas": strategy.num_replicas_in_sync,
+                "losses": losses,
+                "weights": [w.tobytes().hex() for w in weights],
+                "replica_values": replica_values,
+                "max_abs_error": float(
+                    max(
+                        np.max(np.abs(w - r.numpy()))
+                        for w, r in zip(weights, reference.trainable_variables)
+                    )
+                ),
+                "stale_changed_nothing": all(
+                    np.array_equal(a, b) for a, b in zip(before_stale, after_stale)
+                ),
+                "statistics": list(opt.statistics()),
+                "iterations": int(opt.iterations.numpy()),
+                "versions": [wrap(v).version for v in model.trainable_variables],
+                "accumulated": accumulated.numpy().tolist(),
+                "accumulating_statistics": list(accumulating.statistics()),
+                "accumulating_version": wrap(accumulated).version,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -122,15 +122,14 @@ def main() -> None:
             plain_reference.apply_gradients([(ones, plain_reference_w)])
     result["exact"] = {
         "calls": total,
-        "w": w.numpy().tolist(), "sw": sw.numpy().tolist(),
+        "w": w.numpy().tolist(),
+        "sw": sw.numpy().tolist(),
         "reference": reference_w.numpy().tolist(),
         "plain_w": plain_w.numpy().tolist(),
-        "max_abs_error": float(np.max(np.abs(
-            np.stack([w.numpy(), sw.numpy()]) - reference_w.numpy()
-        ))),
-        "plain_max_abs_error": float(
-            np.max(np.abs(plain_w.numpy() - plain_reference_w.numpy()))
+        "max_abs_error": float(
+            np.max(np.abs(np.stack([w.numpy(), sw.numpy()]) - reference_w.numpy()))
         ),
+        "plain_max_abs_error": float(np.max(np.abs(plain_w.numpy() - plain_reference_w.numpy()))),
         "plain_iterations": int(plain.iterations.numpy()),
         "iterations": int(safe.iterations.numpy()),
         "versions": [wrap(w).version, sw.version],
@@ -138,7 +137,8 @@ def main() -> None:
         "eager_calls_seen": eager_calls,
         "variable_device": w.device,
         "lock_devices": [
-            wrap(w).guard.cs._handle.device, sw.guard.cs._handle.device,
+            wrap(w).guard.cs._handle.device,
+            sw.guard.cs._handle.device,
             safe._safevars.state_guard.cs._handle.device,
         ],
         "counters_device": safe.safevars_state.statistics.device,
@@ -184,8 +184,9 @@ def main() -> None:
         )
 
     loss_before = full_loss()
-    ran_on = [coordinator.schedule(train_step, args=(tf.constant(i),))
-              for i in range(args.train_steps)]
+    ran_on = [
+        coordinator.schedule(train_step, args=(tf.constant(i),)) for i in range(args.train_steps)
+    ]
     coordinator.join()
     after_train = opt.statistics()
     weights = [v.numpy() for v in model.trainable_variables]

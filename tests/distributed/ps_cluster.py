@@ -68,19 +68,25 @@ def main() -> None:
         return counter.assign_add(1.0)
 
     coordinator_write()  # the same write inside a tf.function works from the coordinator
-    print(json.dumps({
-        "steps": args.steps,
-        "plain": float(plain.numpy()),
-        "eager_write": eager_write,
-        "safe": float(counter.numpy()) - 1.0,
-        "safe_version": int(counter.version) - 1,
-        "a": float(a.numpy()), "b": float(b.numpy()),
-        "a_version": int(a.version), "b_version": int(b.version),
-        "snapshot_sums": sorted({float(s) for s, _ in observed}),
-        "snapshot_version_gaps": sorted({int(d) for _, d in observed}),
-        "device": counter.device,
-        "lock_device": counter.guard.cs._handle.device,
-    }))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "plain": float(plain.numpy()),
+                "eager_write": eager_write,
+                "safe": float(counter.numpy()) - 1.0,
+                "safe_version": int(counter.version) - 1,
+                "a": float(a.numpy()),
+                "b": float(b.numpy()),
+                "a_version": int(a.version),
+                "b_version": int(b.version),
+                "snapshot_sums": sorted({float(s) for s, _ in observed}),
+                "snapshot_version_gaps": sorted({int(d) for _, d in observed}),
+                "device": counter.device,
+                "lock_device": counter.guard.cs._handle.device,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,15 +51,19 @@ def main() -> None:
         for i, replica in enumerate(replicas):
             entry = local.setdefault(int(replica), {"draws": [], "seed_for": int(seeds[i])})
             entry["draws"].append([np.asarray(kind[i]).tobytes().hex() for kind in per_kind])
-    print(json.dumps({
-        "index": args.index,
-        "worker": list(rng.worker),
-        "num_replicas": rng.num_replicas,
-        "replicas_in_sync": strategy.num_replicas_in_sync,
-        "keys": [s.key for s in rng.streams],
-        "moved": [s.state.numpy()[:2].tolist() != [0, 0] for s in rng.streams],
-        "local": {str(r): entry for r, entry in sorted(local.items())},
-    }))
+    print(
+        json.dumps(
+            {
+                "index": args.index,
+                "worker": list(rng.worker),
+                "num_replicas": rng.num_replicas,
+                "replicas_in_sync": strategy.num_replicas_in_sync,
+                "keys": [s.key for s in rng.streams],
+                "moved": [s.state.numpy()[:2].tolist() != [0, 0] for s in rng.streams],
+                "local": {str(r): entry for r, entry in sorted(local.items())},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

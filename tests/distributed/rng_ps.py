@@ -69,8 +69,9 @@ def main() -> None:
     @tf.function
     def step(step_number):
         # Replica context, in a tf.cond branch (a nested graph).
-        in_replica = strategy.run(lambda: tf.cond(
-            step_number >= 0, lambda: rng.normal([4]), lambda: tf.zeros([4])))
+        in_replica = strategy.run(
+            lambda: tf.cond(step_number >= 0, lambda: rng.normal([4]), lambda: tf.zeros([4]))
+        )
         own = step_draws(rng)  # Cross-replica context of the scheduled function.
         # Keyed by the step, not the worker: the same whoever runs the step.
         keyed = tf.random.stateless_normal([4], seed=rng.element_seed(step_number))
@@ -83,15 +84,15 @@ def main() -> None:
     per_worker = coordinator._create_per_worker_resources(once_per_worker)
     first = [value.fetch() for value in per_worker._values]
     results = [
-        coordinator.schedule(step, args=(tf.constant(i, tf.int64),))
-        for i in range(args.steps)
+        coordinator.schedule(step, args=(tf.constant(i, tf.int64),)) for i in range(args.steps)
     ]
     coordinator.join()
     steps = []
     for i, result in enumerate(results):
         worker, draws, keyed = result.fetch()
-        steps.append({"step": i, "worker": int(worker), "draws": hexes(draws),
-                      "keyed": hexes([keyed])[0]})
+        steps.append(
+            {"step": i, "worker": int(worker), "draws": hexes(draws), "keyed": hexes([keyed])[0]}
+        )
 
     # The streams live on the parameter server: the coordinator checkpoints them, and a
     # restore rewinds every worker's stream.
@@ -111,33 +112,38 @@ def main() -> None:
     errors = {
         "eager_on_coordinator": error_of(lambda: rng.normal([2])),
         "eager_in_scope": error_of(lambda: strategy.run(lambda: rng.normal([2]))),
-        "unscheduled_function": error_of(tf.function(lambda: rng.normal([2]),
-                                                     autograph=False)),
+        "unscheduled_function": error_of(tf.function(lambda: rng.normal([2]), autograph=False)),
         "for_replica": error_of(lambda: rng.for_replica(0)),
         "for_worker_out_of_range": error_of(lambda: rng.for_worker(args.workers)),
         # Last: a failed schedule leaves the coordinator's scheduling flag set.
         "rng_created_outside_scope": error_of(lambda: coordinator.schedule(outside_step)),
     }
-    print(json.dumps({
-        "seed": args.seed,
-        "other_seed": other_seed,
-        "workers": args.workers,
-        "num_workers": rng.num_workers,
-        "num_replicas": rng.num_replicas,
-        "identity": list(rng.worker),
-        "repr": repr(rng),
-        "devices": [s.state.device for s in rng.streams],
-        "keys": [s.key for s in rng.streams],
-        "stream_workers": [list(s.worker) for s in rng.streams],
-        "per_worker": sorted(
-            ({"worker": int(w), "draws": hexes(d), "other": hexes([o])[0]}
-             for w, d, o in first),
-            key=lambda item: item["worker"],
-        ),
-        "steps": steps,
-        "checkpoint_continues": after_save == after_restore,
-        "errors": errors,
-    }))
+    print(
+        json.dumps(
+            {
+                "seed": args.seed,
+                "other_seed": other_seed,
+                "workers": args.workers,
+                "num_workers": rng.num_workers,
+                "num_replicas": rng.num_replicas,
+                "identity": list(rng.worker),
+                "repr": repr(rng),
+                "devices": [s.state.device for s in rng.streams],
+                "keys": [s.key for s in rng.streams],
+                "stream_workers": [list(s.worker) for s in rng.streams],
+                "per_worker": sorted(
+                    (
+                        {"worker": int(w), "draws": hexes(d), "other": hexes([o])[0]}
+                        for w, d, o in first
+                    ),
+                    key=lambda item: item["worker"],
+                ),
+                "steps": steps,
+                "checkpoint_continues": after_save == after_restore,
+                "errors": errors,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
