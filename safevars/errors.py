@@ -178,3 +178,44 @@ class RaceDetectedError(SafeVarsError, AssertionError):
 
     Subclasses ``AssertionError`` so that test runners report it as a failed check.
     """
+
+
+# ------------------------------------------------------- run-time assertion messages
+#
+# Checks that can only be made when a graph runs (a tf.function's staleness test, a
+# parameter server's bounds check) are ``tf.debugging.Assert`` ops, which fail with a
+# ``tf.errors.InvalidArgumentError`` whose message holds the assertion's text. The text
+# starts with a tag naming the safevars error it stands for; ``from_assertion`` turns
+# such a failure back into that error where the call returns to Python.
+
+
+def assertion_text(error_class: type[SafeVarsError], text: str) -> str:
+    """The message of a run-time assertion that stands for ``error_class``."""
+    return f"safevars {error_class.__name__}: {text}"
+
+
+def from_assertion(
+    error: tf.errors.InvalidArgumentError,
+    classes: tuple[type[SafeVarsError], ...],
+    note: str = "",
+) -> SafeVarsError | None:
+    """The safevars error that a failed run-time assertion stands for, or ``None``.
+
+    Args:
+      error: What running the graph raised.
+      classes: The safevars errors the caller's assertions may stand for.
+      note: Appended to the assertion's own text (for example where it was checked).
+
+    Returns:
+      An instance of the first of ``classes`` whose tag is in the message, carrying the
+      assertion's text (up to the end of its line) and ``note``; ``None`` if the failure
+      is not one of safevars' assertions.
+    """
+    message = getattr(error, "message", str(error))
+    for error_class in classes:
+        tag = f"safevars {error_class.__name__}"
+        if tag in message:
+            text = message[message.index(tag) + len(tag) :].split("\n")[0]
+            text = text.replace("] [", " ").strip(" :[]")
+            return error_class(f"{text}{note}")
+    return None
