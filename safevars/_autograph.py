@@ -10,10 +10,10 @@ traces its ``fn``: use ``tf.cond``/``tf.where`` there rather than Python ``if`` 
 
 from __future__ import annotations
 
-try:  # Private TensorFlow module; if it moves, conversion is merely slower, not wrong.
-    from tensorflow.python.autograph.core import config as _config
-except ImportError:  # pragma: no cover - depends on the TensorFlow release
-    _config = None
+from safevars._tf_internal import autograph_config
+
+# Private TensorFlow module; if it moves, conversion is merely slower, not wrong.
+_config = autograph_config()
 
 
 def register() -> None:

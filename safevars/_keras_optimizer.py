@@ -21,10 +21,13 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
-from tensorflow.python.distribute import sharded_variable
-from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
+from safevars._tf_internal import (
+    control_flow_util,
+    keras_internal,
+    resource_variable_ops,
+    sharded_variable,
+)
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -141,7 +144,7 @@ def class_identity(cls: type) -> dict[str, Any]:
     ``cls`` (the public ``keras.optimizers.X`` name for Keras' own classes, the
     registered name for registered ones), so ``deserialize_keras_object`` finds it.
     """
-    public = serialization_lib.serialize_with_public_class(cls)
+    public = keras_internal("saving.serialization_lib").serialize_with_public_class(cls)
     if public is not None:
         return {key: public[key] for key in ("module", "class_name", "registered_name")}
     return {

@@ -1,41 +1,164 @@
-"""The one door to private TensorFlow APIs that safevars' locking core relies on.
+"""The one door to private TensorFlow and Keras APIs.
 
 TensorFlow has no public API for taking a ``tf.CriticalSection``'s mutex without a
-callable, for calling an eager kernel without Python bookkeeping, or for telling an
-XLA-compiled trace apart. safevars reaches those through this module only, so a
-TensorFlow release that moves them breaks here, at import, with the name of what moved.
+callable, for calling an eager kernel without Python bookkeeping, for telling an
+XLA-compiled trace apart, for a distributed variable's per-replica parts, or for the
+savers that ``tf.train.Checkpoint`` and ``model.save`` call. safevars reaches every such
+symbol (``tensorflow.python.*``, ``keras.src.*``) through this module only, so that a
+release that moves one breaks here, at import, with the name of what moved.
 
-Tested with TensorFlow 2.21.
-Keras' saving library is reached here too (the entry points that ``model.save``,
-``save_weights`` and ``load_weights`` call), tested with Keras 3.15.
+At import it compares the installed TensorFlow and Keras with the versions the test
+suite runs against (:data:`TESTED_TENSORFLOW`, :data:`TESTED_KERAS`, the same range
+``pyproject.toml`` declares) and warns once, naming both, if they differ: the public API
+of safevars may still work, but the private symbols below are where a release breaks it.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import warnings
+from types import ModuleType
+from typing import Any
+
+import tensorflow as tf
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.distribute import distribute_lib, sharded_variable, values_util
+from tensorflow.python.distribute import values as ds_values
+from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import context as eager_context_module
 from tensorflow.python.eager import core as _core
 from tensorflow.python.eager.polymorphic_function import concrete_function
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import control_flow_util, gen_resource_variable_ops
+from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.framework import ops, tensor_conversion_registry
+from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops import (
+    control_flow_util,
+    critical_section_ops,
+    gen_resource_variable_ops,
+    gen_stateful_random_ops,
+    gen_stateless_random_ops_v2,
+    resource_variable_ops,
+    tensor_getitem_override,
+)
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable, variable_accessed
+from tensorflow.python.util import nest, object_identity
+
+# The versions the test suite runs against (major, minor); pyproject.toml declares them.
+TESTED_TENSORFLOW = (2, 21)
+TESTED_KERAS = (3, 15)
+
+
+def _minor(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _installed_keras() -> str:
+    try:
+        return importlib.metadata.version("keras")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_versions(tensorflow_version: str | None = None, keras_version: str | None = None) -> str:
+    """Warns (once per call) if TensorFlow or Keras is not a tested version.
+
+    Returns the warning's text, or ``""`` when both are tested versions.
+    """
+    tensorflow_version = tensorflow_version or tf.__version__
+    keras_version = keras_version or _installed_keras()
+    untested = []
+    if _minor(tensorflow_version) != TESTED_TENSORFLOW:
+        untested.append(f"TensorFlow {tensorflow_version}")
+    if _minor(keras_version) != TESTED_KERAS:
+        untested.append(f"Keras {keras_version}")
+    if not untested:
+        return ""
+    text = (
+        f"safevars is tested with TensorFlow {'.'.join(map(str, TESTED_TENSORFLOW))}.x and "
+        f"Keras {'.'.join(map(str, TESTED_KERAS))}.x; found {' and '.join(untested)}. It "
+        "reaches private TensorFlow/Keras APIs (locking kernels, distributed variables, "
+        "the checkpoint and Keras savers, AutoGraph's conversion rules) that may have "
+        "moved: expect import errors or wrong behaviour there. Install the tested versions "
+        "(pip install 'tensorflow==2.21.*') or run safevars' test suite on yours."
+    )
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+    return text
+
+
+check_versions()
+
+
+def keras_internal(module: str) -> ModuleType:
+    """``keras.src.<module>``, imported on first use (importing Keras is slow)."""
+    return importlib.import_module(f"keras.src.{module}")
+
+
+def autograph_config() -> Any:
+    """AutoGraph's conversion-rules module, or ``None`` if this release moved it."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:  # pragma: no cover - depends on the TensorFlow release
+        return None
+    return config
+
+
+def autograph_source_map() -> Any:
+    """The per-thread source maps AutoGraph keeps for generated code, or ``None``."""
+    try:
+        from tensorflow.python.util import tf_stack
+    except ImportError:  # pragma: no cover - depends on the TensorFlow release
+        return None
+    return getattr(tf_stack, "_source_mapper_stacks", None)
+
 
 __all__ = [
+    "TESTED_KERAS",
+    "TESTED_TENSORFLOW",
     "ConcreteFunction",
     "FallbackException",
+    "FuncGraph",
     "NotOkStatusException",
     "ResourceVariable",
+    "autograph_config",
+    "autograph_source_map",
+    "check_versions",
     "checkpoint_entry_points",
     "colocate_with",
+    "concrete_function",
     "consume_mutex_lock",
+    "control_flow_util",
+    "coordinator_context",
+    "critical_section_ops",
     "default_graph",
+    "distribute_lib",
+    "ds_values",
     "eager_context",
+    "eager_context_module",
     "executing_eagerly",
     "fast_execute",
+    "func_graph_module",
+    "gen_resource_variable_ops",
+    "gen_stateful_random_ops",
+    "gen_stateless_random_ops_v2",
     "in_xla_context",
+    "keras_internal",
     "mutex_lock",
+    "nest",
+    "object_identity",
+    "ops",
     "raise_from_not_ok_status",
     "read_eagerly",
+    "resource_variable_ops",
+    "sharded_variable",
+    "tensor_conversion_registry",
+    "tensor_getitem_override",
+    "values_util",
 ]
 
 ConcreteFunction = concrete_function.ConcreteFunction
@@ -50,7 +173,7 @@ colocate_with = ops.colocate_with
 default_graph = ops.get_default_graph
 
 
-def eager_context():
+def eager_context() -> Any:
     """The eager context object the generated op functions pass to the fast path."""
     return _context._context or _context.context()
 
@@ -74,8 +197,9 @@ def checkpoint_entry_points(checkpoint_objects, keras_objects):
     ``CheckpointManager``); Keras' ``saving_lib`` functions serve ``model.save``,
     ``save_weights`` and ``load_weights``.
     """
-    from keras.src.saving import saving_lib
     from tensorflow.python.checkpoint import checkpoint
+
+    saving_lib = keras_internal("saving.saving_lib")
 
     return [
         (checkpoint.TrackableSaver, "save", checkpoint_objects),

@@ -76,9 +76,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
-from tensorflow.python.util import nest  # flatten_up_to (not in tf.nest)
 
+from safevars._tf_internal import (  # nest: flatten_up_to (not in tf.nest)
+    gen_resource_variable_ops,
+    nest,
+    resource_variable_ops,
+)
 from safevars.distribute import (
     SUPPORTED_STRATEGIES,
     check_strategy,

@@ -128,14 +128,17 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import concrete_function
-from tensorflow.python.framework import func_graph as func_graph_module
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import critical_section_ops, resource_variable_ops
-
 from safevars import locking, sections
 from safevars import variable as variable_module
+from safevars._tf_internal import (
+    autograph_source_map,
+    concrete_function,
+    critical_section_ops,
+    func_graph_module,
+    ops,
+    resource_variable_ops,
+)
+from safevars._tf_internal import eager_context_module as context
 from safevars.errors import InvalidArgumentError, RaceDetectedError
 
 __all__ = [
@@ -385,9 +388,7 @@ def _user_site(frame: Any) -> tuple[str, int]:
 def _autograph_origin(filename: str, lineno: int) -> tuple[str, int]:
     """Maps a line of AutoGraph's generated code back to the user's source line."""
     try:  # Private TensorFlow API: if it moves, sites point at the generated file.
-        from tensorflow.python.util import tf_stack
-
-        mapper = tf_stack._source_mapper_stacks[threading.get_ident()][-1]
+        mapper = autograph_source_map()[threading.get_ident()][-1]
         origin = mapper.get_effective_source_map().get((filename, lineno))
     except Exception:  # noqa: BLE001 - any failure only loses the mapping
         origin = None

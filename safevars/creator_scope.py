@@ -283,14 +283,15 @@ class _KerasInternal:
 
     def __init__(self) -> None:
         import keras
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-        from keras.src.backend.tensorflow.core import Variable
-        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+        from safevars._tf_internal import keras_internal
 
         self.ops = keras.ops
-        self.in_stateless_scope = in_stateless_scope
-        self.variable_class = Variable
-        self.optimizer_class = TFOptimizer
+        self.in_stateless_scope = keras_internal(
+            "backend.common.stateless_scope"
+        ).in_stateless_scope
+        self.variable_class = keras_internal("backend.tensorflow.core").Variable
+        self.optimizer_class = keras_internal("backend.tensorflow.optimizer").TFOptimizer
 
 
 _keras_internal: Any = None

@@ -42,9 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as ds_values
-from tensorflow.python.distribute import values_util
 
+from safevars._tf_internal import ds_values, values_util
 from safevars.errors import UnsupportedStrategyError
 
 __all__ = [

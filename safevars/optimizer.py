@@ -101,10 +101,10 @@ from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
 
 from safevars import _keras_optimizer as k
 from safevars import locking
+from safevars._tf_internal import distribute_lib
 from safevars.distribute import is_parameter_server
 from safevars.errors import (
     InvalidArgumentError,

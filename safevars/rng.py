@@ -127,13 +127,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute.coordinator import coordinator_context as _dispatch_context
-from tensorflow.python.framework.func_graph import FuncGraph
-from tensorflow.python.ops import (
+
+from safevars._tf_internal import (
+    FuncGraph,
     gen_stateful_random_ops,
     gen_stateless_random_ops_v2,
     resource_variable_ops,
 )
+from safevars._tf_internal import coordinator_context as _dispatch_context
 
 if TYPE_CHECKING:
     import keras

@@ -41,15 +41,16 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import wrapt
-from tensorflow.python.distribute import values as ds_values
-from tensorflow.python.framework import ops, tensor_conversion_registry
-from tensorflow.python.ops import (
+
+from safevars._tf_internal import (
+    ds_values,
     gen_resource_variable_ops,
+    object_identity,
+    ops,
     resource_variable_ops,
+    tensor_conversion_registry,
     tensor_getitem_override,
 )
-from tensorflow.python.util import object_identity
-
 from safevars.distribute import check_strategy, merge_context, merged_update, merged_write
 from safevars.errors import (
     DTypeMismatchError,

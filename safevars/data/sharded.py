@@ -73,8 +73,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from safevars._tf_internal import resource_variable_ops
 from safevars.data._layout import (
     REMAINDER_POLICIES,
     Layout,
