@@ -16,6 +16,7 @@ Variants, each on its own variable:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,14 @@ class Crew:
             worker.join(BARRIER_TIMEOUT)
 
 
+def _reset(variable: Any) -> None:
+    variable.assign(0.0, read_value=False)
+
+
+def _value(variable: Any) -> float:
+    return float(variable.read_value().numpy())
+
+
 def _variant(
     threads: int,
     iterations: int,
@@ -158,8 +167,8 @@ def cases(ctx: Context) -> list[Case]:
                 threads,
                 iterations,
                 step,
-                reset=lambda v=variable: v.assign(0.0, read_value=False),
-                value=lambda v=variable: float(v.read_value().numpy()),
+                reset=functools.partial(_reset, variable),
+                value=functools.partial(_value, variable),
                 crews=crews,
             )
 

@@ -98,7 +98,7 @@ def _extra_note(extra: dict[str, Any]) -> str:
 
 def table_rows(family: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row per (case, variant) of a family; a failed case is one row with its error."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for case in family["cases"]:
         if case["status"] != "ok":
             rows.append((case["name"], "FAILED", "", "", "", "", "", case["error"] or ""))

@@ -87,9 +87,9 @@ def _wrapped_body(locks: list[SectionLock], fn: Callable[[], Any]) -> Callable[[
         if any(graph is c for c in chain):
             fn = wrapper(locks, fn)
     for graph in reversed(chain):  # outermost first, as the stack is
-        wrapper = _GRAPH_WRAPPERS.get(graph)
-        if wrapper is not None:
-            fn = wrapper(locks, fn)
+        graph_wrapper = _GRAPH_WRAPPERS.get(graph)
+        if graph_wrapper is not None:
+            fn = graph_wrapper(locks, fn)
     return fn
 
 

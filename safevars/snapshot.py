@@ -58,6 +58,7 @@ class Snapshot:
     value: tf.Tensor
     version: int | tf.Tensor
     name: str
+    _array: np.ndarray | None
 
     def __init__(self, value: tf.Tensor, version: int | tf.Tensor, name: str) -> None:
         object.__setattr__(self, "value", value)
@@ -89,11 +90,12 @@ class Snapshot:
 
     def numpy(self) -> np.ndarray:
         """The value as a read-only NumPy array (eager only; computed once)."""
-        if self._array is None:
+        array = self._array
+        if array is None:
             array = np.array(self.value.numpy(), copy=True)
             array.setflags(write=False)
             object.__setattr__(self, "_array", array)
-        return self._array
+        return array
 
     def __tf_tensor__(self, dtype: tf.DType | None = None, name: str | None = None) -> Any:
         if dtype is not None and dtype != self.value.dtype:
