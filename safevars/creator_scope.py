@@ -298,6 +298,27 @@ _keras_internal: Any = None
 _INSTALL_LOCK = threading.Lock()
 
 
+def _keras_checkpoint_children(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A SafeVariable-backed ``keras.Variable`` checkpoints its version, as a SafeVariable does.
+
+    Keras' variable saves and restores its value through the ``tf.Variable`` it holds, but
+    ``tf.train.Checkpoint`` asks the Keras variable, not that ``tf.Variable``, for its
+    dependencies: without this, a restore brought the value back and left the version
+    where it was.
+    """
+
+    def _trackable_children(self: Any, save_type: str = "checkpoint", **kwargs: Any) -> Any:
+        children = original(self, save_type, **kwargs)
+        guard = getattr(getattr(self, "_value", None), "_self_guard", None)
+        if not isinstance(guard, Guard) or save_type != "checkpoint":
+            return children
+        guard.sync_version_var()
+        return {**children, "safevars_version": guard.version_var}
+
+    _trackable_children._safevars = True  # type: ignore[attr-defined]
+    return _trackable_children
+
+
 def _patch(
     owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> None:
@@ -334,6 +355,7 @@ def install() -> None:
             "assign_sub",
             lambda original: _keras_read_modify_write(original, "subtract"),
         )
+        _patch(internal.variable_class, "_trackable_children", _keras_checkpoint_children)
         _keras_internal = internal
 
 

@@ -121,6 +121,35 @@ def test_layer_assign_set_weights_and_load_weights_are_counted(tmp_path, mode):
     np.testing.assert_array_equal(kernel.numpy(), np.full(kernel.shape, 2.0))
 
 
+def test_checkpoint_restore_brings_back_value_and_version(tmp_path):
+    """tf.train.Checkpoint of a model built in the scope saves the versions, as a
+    SafeVariable's checkpoint does, and a restore brings both back."""
+    with scope():
+        model = make_model()
+    kernel = model.layers[0].kernel
+    kernel.assign(tf.ones(kernel.shape))
+    saved = [w.numpy() for w in model.weights]
+    path = tf.train.Checkpoint(model=model).save(os.fspath(tmp_path / "ckpt"))
+    model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
+    kernel.assign(tf.fill(kernel.shape, 3.0))
+    assert versions(model.weights) == [3, 1, 1, 1]
+    tf.train.Checkpoint(model=model).restore(path).assert_consumed()
+    assert versions(model.weights) == [1, 0, 0, 0]
+    for weight, value in zip(model.weights, saved):
+        np.testing.assert_array_equal(weight.numpy(), value)
+    # A plain model's checkpoint loads the values (it has no versions: they stay, and
+    # the status reports them unmatched, as for a SafeVariable) and a plain model loads
+    # this one (the versions are extra entries it leaves alone).
+    plain = make_model()
+    plain_path = tf.train.Checkpoint(model=plain).save(os.fspath(tmp_path / "plain"))
+    tf.train.Checkpoint(model=model).restore(plain_path).expect_partial()
+    assert versions(model.weights) == [1, 0, 0, 0]
+    for weight, other in zip(model.weights, plain.weights):
+        np.testing.assert_array_equal(weight.numpy(), other.numpy())
+    tf.train.Checkpoint(model=plain).restore(path).expect_partial()
+    np.testing.assert_array_equal(plain.layers[0].kernel.numpy(), saved[0])
+
+
 def _fit(model, optimizer, epochs=1, run_eagerly=False, jit_compile=False):
     model.compile(
         optimizer=optimizer, loss="mse", run_eagerly=run_eagerly, jit_compile=jit_compile
