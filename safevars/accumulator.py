@@ -82,6 +82,7 @@ from safevars._tf_internal import (  # nest: flatten_up_to (not in tf.nest)
     nest,
     resource_variable_ops,
 )
+from safevars._validation import check_bool, check_choice, check_int, short
 from safevars.distribute import (
     SUPPORTED_STRATEGIES,
     check_strategy,
@@ -96,9 +97,12 @@ from safevars.errors import (
     ShapeMismatchError,
     StaleGradientError,
     UnsupportedStrategyError,
+    assertion_text,
+    from_assertion,
 )
 from safevars.locking import Guard, check_timeout, graph_section, hold, protect
 from safevars.snapshot import Snapshot
+from safevars.staleness import check_stale_policy, refuse_stale, scale_stale, version_lag
 
 __all__ = ["AccumulatorStatistics", "GradientAccumulator"]
 
@@ -116,16 +120,15 @@ _PENDING, _ADDED, _DROPPED, _REJECTED, _SCALED, _TAKEN, _TAKES, _DISCARDED = ran
 _NUM_COUNTERS = 8
 
 _REDUCTIONS = ("mean", "sum")
-_STALE_POLICIES = ("drop", "raise", "scale")
 _NONFINITE_POLICIES = ("propagate", "raise", "skip")
 _NARROW_FLOATS = (tf.float16, tf.bfloat16, tf.float32)
 _POLL_SECONDS = 0.05
-# Prefixes of the run-time assertion messages, and the errors they stand for.
+# The errors the run-time assertions of the graph path stand for (errors.assertion_text).
 _RUNTIME_ERRORS = (
-    ("safevars StaleGradientError", StaleGradientError),
-    ("safevars NonFiniteGradientError", NonFiniteGradientError),
-    ("safevars AccumulatorTimeoutError", AccumulatorTimeoutError),
-    ("safevars InvalidArgumentError", InvalidArgumentError),
+    StaleGradientError,
+    NonFiniteGradientError,
+    AccumulatorTimeoutError,
+    InvalidArgumentError,
 )
 
 
@@ -295,15 +298,11 @@ class GradientAccumulator(tf.Module):
         super().__init__(name=name)
         if tf.distribute.has_strategy():
             check_strategy()
-        _check_choice("reduction", reduction, _REDUCTIONS)
-        _check_choice("on_stale", on_stale, _STALE_POLICIES)
-        _check_choice("nonfinite", nonfinite, _NONFINITE_POLICIES)
-        _check_count("num_required", num_required, minimum=1)
-        _check_count("max_staleness", max_staleness, minimum=0)
-        if not isinstance(deterministic, bool):
-            raise InvalidArgumentError(
-                f"deterministic must be True or False, got {_short(deterministic)}."
-            )
+        reduction = check_choice(reduction, "reduction", _REDUCTIONS)
+        max_staleness, on_stale = check_stale_policy(max_staleness, on_stale)
+        nonfinite = check_choice(nonfinite, "nonfinite", _NONFINITE_POLICIES)
+        num_required = check_int(num_required, "num_required", 1, optional=True)
+        deterministic = check_bool(deterministic, "deterministic")
         self._reduction = reduction
         self._num_required = num_required
         self._max_staleness = max_staleness
@@ -532,13 +531,13 @@ class GradientAccumulator(tf.Module):
         try:
             return function(*args)
         except tf.errors.InvalidArgumentError as e:
-            for marker, error in _RUNTIME_ERRORS:
-                if marker in e.message:
-                    text = e.message[e.message.index(marker) + len(marker) :]
-                    raise error(
-                        f"{text.split(chr(10))[0].strip(' :')} (checked on the "
-                        f"parameter server; nothing of the call took effect)."
-                    ) from None
+            error = from_assertion(
+                e,
+                _RUNTIME_ERRORS,
+                note=" (checked on the parameter server; nothing of the call took effect).",
+            )
+            if error is not None:
+                raise error from None
             raise
 
     # ------------------------------------------------------------------ add
@@ -707,7 +706,7 @@ class GradientAccumulator(tf.Module):
             raise InvalidArgumentError(
                 f"gradients must have the structure of the variables "
                 f"({len(self._slots)} entries: {[s.name for s in self._slots]}); got "
-                f"{_short(gradients)} ({type(e).__name__}: {e})."
+                f"{short(gradients)} ({type(e).__name__}: {e})."
             ) from None
 
     def _compute(self, gradients: Any, version: Any) -> tuple[tuple, _Part, Any]:
@@ -751,9 +750,10 @@ class GradientAccumulator(tf.Module):
                 check = tf.debugging.Assert(
                     tf.reduce_all(in_range),
                     [
-                        (
-                            "safevars InvalidArgumentError: a tf.IndexedSlices gradient has "
-                            "indices outside its variable's first dimension."
+                        assertion_text(
+                            InvalidArgumentError,
+                            "a tf.IndexedSlices gradient has indices outside its variable's "
+                            "first dimension",
                         )
                     ],
                 )
@@ -774,9 +774,9 @@ class GradientAccumulator(tf.Module):
             check = tf.debugging.Assert(
                 tf.reduce_all(finite),
                 [
-                    (
-                        "safevars NonFiniteGradientError: a gradient holds NaN or Inf "
-                        "(nonfinite='raise'); nothing was accumulated."
+                    assertion_text(
+                        NonFiniteGradientError,
+                        "a gradient holds NaN or Inf (nonfinite=raise); nothing was accumulated",
                     )
                 ],
             )
@@ -839,7 +839,7 @@ class GradientAccumulator(tf.Module):
         ):
             raise InvalidArgumentError(
                 f"the tf.IndexedSlices gradient for {slot.name!r} needs 1-D int32/int64 "
-                f"indices, got {_short(gradient.indices)}."
+                f"indices, got {short(gradient.indices)}."
             )
         return ("sparse", values, indices)
 
@@ -850,7 +850,7 @@ class GradientAccumulator(tf.Module):
                 value = tf.convert_to_tensor(value, dtype=slot.dtype)
             except (TypeError, ValueError) as e:
                 raise DTypeMismatchError(
-                    f"the {what} for {slot.name!r} ({_short(value)}) does not convert to "
+                    f"the {what} for {slot.name!r} ({short(value)}) does not convert to "
                     f"the variable's dtype {slot.dtype.name} ({e})."
                 ) from None
         if value.dtype not in allowed:
@@ -872,7 +872,7 @@ class GradientAccumulator(tf.Module):
             raise InvalidArgumentError(
                 "version must be None, an int (compared with accumulator.version) or the "
                 "structure of the variables holding Snapshots or ints; got "
-                f"{_short(version)}."
+                f"{short(version)}."
             ) from None
         values = []
         for slot, leaf in zip(self._slots, leaves):
@@ -970,27 +970,10 @@ class GradientAccumulator(tf.Module):
             if staleness is not None:
                 stale = staleness > self._max_staleness
             if self._on_stale == "raise" and staleness is not None:
-                if eager and stale:
-                    raise StaleGradientError(
-                        f"the gradients are {staleness} versions old (max_staleness="
-                        f"{self._max_staleness}); nothing was accumulated. Recompute them "
-                        "from the current parameters, or use on_stale='drop'/'scale'."
-                    )
-                if not eager:
-                    checks.append(
-                        tf.debugging.Assert(
-                            tf.logical_not(stale),
-                            [
-                                (
-                                    "safevars StaleGradientError: gradients older than "
-                                    "max_staleness ="
-                                ),
-                                self._max_staleness,
-                                "versions; staleness:",
-                                staleness,
-                            ],
-                        )
-                    )
+                # Eagerly raises StaleGradientError; in a graph, an assertion to run first.
+                check = refuse_stale(staleness, self._max_staleness, "accumulated")
+                if check is not None:
+                    checks.append(check)
                 stale = False
             finite = part.finite
             drop = stale if self._on_stale == "drop" else False
@@ -1020,8 +1003,8 @@ class GradientAccumulator(tf.Module):
         if part.version_kind == "none" or self._max_staleness is None:
             return None
         if part.version_kind == "int":
-            return _clamp_lag(self._version_now(), part.version)
-        lags = [_clamp_lag(self._slots[i].guard.version(), v) for i, v in enumerate(part.version)]
+            return version_lag(self._version_now(), part.version)
+        lags = [version_lag(self._slots[i].guard.version(), v) for i, v in enumerate(part.version)]
         if all(isinstance(x, int) for x in lags):
             return max(lags)
         return tf.reduce_max(tf.stack([tf.cast(x, tf.int64) for x in lags]))
@@ -1035,7 +1018,7 @@ class GradientAccumulator(tf.Module):
             return
         dense, sparse_elements, sparse_values = [], [], []
         for part, accept, scale, staleness in kept:
-            values = _scaled(part.values, scale, staleness)
+            values = scale_stale(part.values, staleness, scale)
             if isinstance(accept, tf.Tensor):
                 values = tf.where(accept, values, tf.zeros_like(values))
             if part.elements is None:
@@ -1059,7 +1042,7 @@ class GradientAccumulator(tf.Module):
         Rows refused at run time (a bool tensor) are moved behind the accepted ones, past
         the new pending count, where they are ignored.
         """
-        rows = [_scaled(part.values, scale, staleness) for part, _, scale, staleness in kept]
+        rows = [scale_stale(part.values, staleness, scale) for part, _, scale, staleness in kept]
         block = rows[0][None] if len(rows) == 1 else tf.stack(rows)
         accepts = [accept for _, accept, _, _ in kept]
         if any(isinstance(a, tf.Tensor) for a in accepts):
@@ -1275,11 +1258,13 @@ class GradientAccumulator(tf.Module):
                     tf.debugging.Assert(
                         pending >= required,
                         [
-                            "safevars AccumulatorTimeoutError: take() inside a tf.function found",
+                            assertion_text(
+                                AccumulatorTimeoutError, "take() inside a tf.function found"
+                            ),
                             pending,
                             "contributions pending but num_required =",
                             required,
-                            "; they are kept.",
+                            "(they are kept)",
                         ],
                     )
                 )
@@ -1486,7 +1471,7 @@ def _slot(index: int, variable: Any, offset: int) -> _Slot:
         variable = backing  # keras.Variable under the TensorFlow backend
     if not isinstance(variable, tf.Variable):
         raise InvalidArgumentError(
-            f"variables[{index}] is {_short(variable)}, not a variable. Pass the "
+            f"variables[{index}] is {short(variable)}, not a variable. Pass the "
             "variables the gradients are for (e.g. model.trainable_variables)."
         )
     shape = variable.shape
@@ -1621,25 +1606,11 @@ def _version_value(value: Any, what: str) -> int | tf.Tensor:
             return tf.cast(value, tf.int64)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(
-            f"{what} must be an int, a scalar integer tensor or a Snapshot, got {_short(value)}."
+            f"{what} must be an int, a scalar integer tensor or a Snapshot, got {short(value)}."
         )
     if value < 0:
         raise InvalidArgumentError(f"{what} must be >= 0, got {value}.")
     return int(value)
-
-
-def _clamp_lag(current: int | tf.Tensor, version: int | tf.Tensor) -> int | tf.Tensor:
-    if isinstance(current, int) and isinstance(version, int):
-        return max(current - version, 0)
-    return tf.maximum(tf.cast(current, tf.int64) - tf.cast(version, tf.int64), 0)
-
-
-def _scaled(values: tf.Tensor, scale: Any, staleness: Any) -> tf.Tensor:
-    """``values / (staleness + 1)`` where ``scale`` holds (a bool or a bool tensor)."""
-    if scale is False:
-        return values
-    divided = values / (tf.cast(staleness, values.dtype) + tf.constant(1, values.dtype))
-    return tf.where(scale, divided, values) if isinstance(scale, tf.Tensor) else divided
 
 
 def _not(x: Any) -> Any:
@@ -1668,24 +1639,3 @@ def _total(flags: Sequence[Any]) -> int | tf.Tensor:
 
 def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
     return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
-
-
-def _check_choice(argument: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise InvalidArgumentError(
-            f"{argument} must be one of {list(choices)}, got {_short(value)}."
-        )
-
-
-def _check_count(argument: str, value: Any, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InvalidArgumentError(
-            f"{argument} must be None or an int >= {minimum}, got {_short(value)}."
-        )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
