@@ -8,8 +8,9 @@ or threads forced to run one after the other) and still expect the finding.
 
 from __future__ import annotations
 
-import importlib
+import glob
 import json
+import os
 import threading
 
 import pytest
@@ -19,10 +20,10 @@ from threading_harness import JOIN_TIMEOUT, run_threads
 import safevars
 from safevars import SafeVariable
 from safevars.audit import CONCURRENT_WRITE, LOST_UPDATE, AuditReport, Race, audit
+from safevars.audit import active as audit_active
+from safevars.audit import patching as audit_patching
+from safevars.audit import sites as audit_sites
 from safevars.errors import InvalidArgumentError, RaceDetectedError
-
-# The module itself (``safevars.audit`` is the function once the package re-exports it).
-audit_module = importlib.import_module("safevars.audit")
 
 THREADS = 4
 
@@ -113,7 +114,10 @@ def test_safevariable_assign_of_an_unlocked_read_is_still_a_race():
         run_threads(THREADS, lambda i: one_line_increment(v, 5))
     (race,) = _lost_updates(report)
     assert race.variable == "safe_but_misused:0"
+    # The write is made inside SafeVariable.assign (safevars/variable.py): the site is
+    # still the user's line that called it.
     assert race.read_site == _line("ONE-LINE")
+    assert race.write_sites == (_line("ONE-LINE"), _line("ONE-LINE"))
 
 
 def test_concurrent_blind_writes_are_reported_but_commutative_adds_are_not():
@@ -276,6 +280,44 @@ def test_tf_function_update_and_traced_before_the_audit():
     assert "traced before the audit began: 'old_step'" in str(report)
 
 
+# ---------------------------------------------------------------------- sites
+
+
+def cs_read_then_write(cs, v):
+    value = cs.execute(v.read_value)  # CS-READ
+    v.assign(value + 1)  # CS-WRITE
+
+
+def test_a_site_is_the_users_line_never_a_frame_of_the_audit(mode):
+    # The read in ``cs.execute(v.read_value)`` is made by TensorFlow code called from
+    # the audit's own CriticalSection.execute wrapper (safevars/audit/recording.py): the
+    # first frame that is not TensorFlow is the audit's, and the site must skip it (and
+    # every other safevars file) to reach the line of this file that called execute.
+    v = tf.Variable(0.0, name="cs_read")
+    cs = tf.CriticalSection(name="cs_read_section")
+    with audit() as report:
+        step = mode(lambda: cs_read_then_write(cs, v))
+        run_threads(2, lambda i: [step() for _ in range(2)])
+    assert [(r.kind, r.read_site, r.write_sites) for r in report.races] == [
+        (LOST_UPDATE, _line("CS-READ"), (_line("CS-WRITE"), _line("CS-WRITE")))
+    ], str(report)
+
+
+def test_every_safevars_file_is_safevars_code_and_this_file_is_user_code():
+    safevars_dir = os.path.dirname(os.path.abspath(safevars.__file__))
+    files = glob.glob(os.path.join(safevars_dir, "**", "*.py"), recursive=True)
+    audit_files = [f for f in files if os.sep + "audit" + os.sep in f]
+    assert len(audit_files) >= 5 and audit_sites.__file__ in audit_files
+    assert {f: audit_sites._file_kind(f) for f in files} == dict.fromkeys(
+        files, audit_sites._SAFEVARS
+    )
+    assert audit_sites._file_kind(__file__) == audit_sites._USER
+    assert audit_sites._file_kind(threading.__file__) == audit_sites._INTERNAL
+    assert audit_sites._file_kind(tf.Variable.assign.__code__.co_filename) == (
+        audit_sites._INTERNAL
+    )
+
+
 # ---------------------------------------------------------------------- report and raising
 
 
@@ -309,7 +351,7 @@ def test_raise_on_race_raises_at_the_end_of_the_block():
             run_threads(THREADS, lambda i: one_line_increment(v, 3))
     assert isinstance(caught.value, AssertionError)
     assert "lost update on 'raising:0'" in str(caught.value)
-    assert audit_module._SESSION is None
+    assert audit_active._SESSION is None
 
 
 def test_raise_on_race_keeps_the_blocks_own_exception_and_passes_clean_code():
@@ -336,7 +378,7 @@ def test_invalid_arguments_are_refused():
 
 def _current_functions() -> dict[tuple[type, str], object]:
     return {
-        (owner, name): owner.__dict__[name] for owner, name, _ in audit_module._patch_targets()
+        (owner, name): owner.__dict__[name] for owner, name, _ in audit_patching._patch_targets()
     }
 
 
@@ -350,8 +392,8 @@ def test_everything_is_unpatched_after_the_block_even_on_exception():
             raise RuntimeError("boom")
     assert _current_functions() == originals
     assert all(_current_functions()[k] is originals[k] for k in originals)
-    assert audit_module._ACTIVE == () and audit_module._SESSION is None
-    assert not audit_module._ORIGINALS
+    assert audit_active._ACTIVE == () and audit_active._SESSION is None
+    assert not audit_patching._ORIGINALS
 
 
 def test_nested_audits_share_the_patches_and_see_their_own_period():
