@@ -1,12 +1,12 @@
-"""``python -m benchmarks``: the safevars benchmark suite (see ``--help``)."""
+"""``python -m benchmarks``: the safevars benchmark suite (see ``--help``).
 
-import os
+TensorFlow is imported by :func:`benchmarks.cli.main` once the arguments are parsed, with
+its C++ start-up log hidden unless ``--verbose``.
+"""
+
 import sys
 
-# Quiet TensorFlow's C++ start-up chatter before anything imports it.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-from benchmarks.cli import main  # noqa: E402
+from benchmarks.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

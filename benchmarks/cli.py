@@ -3,15 +3,21 @@
 Exit status: 0 when every selected family ran, 1 when a family or case failed (the others
 still ran and were written), 2 for a usage error (unknown ``--cases`` name, ``--device gpu``
 without a GPU).
+
+TensorFlow's C++ start-up log (the absl notice, oneDNN, CUDA-driver and CPU-feature lines)
+is hidden unless ``--verbose`` or ``SAFEVARS_VERBOSE=1``: ``examples/_quiet.py``, shared
+with the examples, imports TensorFlow before anything else does.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 from benchmarks import devices, discovery, metadata, plots, report, runner, schema
@@ -27,6 +33,7 @@ examples:
   python -m benchmarks --device gpu         # fail unless TensorFlow sees a GPU
   python -m benchmarks --cases distributed  # optional families run only when named
   python -m benchmarks --cases graph,accumulator --repeat 5   # 5 passes, rounds pooled
+  python -m benchmarks --quick --verbose    # with TensorFlow's C++ start-up log
 
 Every ratio is printed with its 95% confidence interval (paired bootstrap of the ratio
 of medians over the rounds); a goal is met when its whole interval satisfies the bound,
@@ -152,7 +159,30 @@ def parser() -> argparse.ArgumentParser:
         help="thread counts for contention cases (default: 1,2,4,8)",
     )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TensorFlow's C++ start-up log (absl, oneDNN, CUDA-driver and CPU-feature "
+        "lines), hidden by default; SAFEVARS_VERBOSE=1 does the same",
+    )
     return p
+
+
+QUIET_MODULE = Path(__file__).resolve().parent.parent / "examples" / "_quiet.py"
+
+
+def _quiet() -> ModuleType:
+    """Loads ``examples/_quiet.py`` by path.
+
+    One implementation serves the examples and the CLI; it cannot live in ``safevars``,
+    whose import imports TensorFlow, and ``benchmarks`` is not on the examples' path.
+    """
+    spec = importlib.util.spec_from_file_location("_safevars_examples_quiet", QUIET_MODULE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {QUIET_MODULE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _settings(args: argparse.Namespace) -> TimingSettings:
@@ -195,6 +225,10 @@ def main(
     if args.schema:
         print(json.dumps(schema.SCHEMA, indent=2), file=stdout)
         return 0
+    quiet = _quiet()
+    verbose = args.verbose or quiet.verbose_requested([])
+    if not args.list:  # --list imports no TensorFlow: keep it fast.
+        quiet.quiet_tensorflow_startup(verbose)
     known = list(families) if families is not None else discovery.discover()
     if args.list:
         _list(known, stdout)
@@ -206,7 +240,8 @@ def main(
     try:
         choice = select_device(args.device, gpus=gpus)
     except devices.DeviceUnavailableError as e:
-        print(f"error: {e}", file=stderr)
+        hint = "" if verbose else " --verbose shows TensorFlow's start-up log, which may say why."
+        print(f"error: {e}{hint}", file=stderr)
         return 2
     ctx = devices.make_context(choice, args.quick, sizes=args.sizes, threads=args.threads)
     settings = _settings(args)
