@@ -1,6 +1,6 @@
 """Asynchronous parameter-server training: plain Keras against safevars.
 
-Run: python examples/async_ps_training.py [--workers 3] [--steps 90]
+Run: python examples/async_ps_training.py [--workers 3] [--steps 90] [--verbose]
 
 Starts an in-process ``ParameterServerStrategy`` cluster on 127.0.0.1 (``--workers``
 workers and one parameter server, TensorFlow's own gRPC servers in this process) and
@@ -28,9 +28,10 @@ a minibatch and applies it there, without waiting for the other workers.
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -118,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=90, help="scheduled training steps")
+    add_verbose_argument(parser)
     args = parser.parse_args()
     x, y = make_data()
     strategy = tf.distribute.experimental.ParameterServerStrategy(

@@ -1,6 +1,6 @@
 """safevars.audit() points at the lost-update race in existing code, then clears the fix.
 
-Run: python examples/audit_demo.py [--threads 4] [--iterations 50]
+Run: python examples/audit_demo.py [--threads 4] [--iterations 50] [--verbose]
 
 Four threads each add 1 to a shared ``tf.Variable`` with the usual
 ``v.assign(v.read_value() + 1)``. Inside ``safevars.audit()`` every variable access is
@@ -12,11 +12,12 @@ this run. The same loop written with ``SafeVariable.update`` gives an empty repo
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import tensorflow as tf  # noqa: E402
 
@@ -48,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=50)
+    add_verbose_argument(parser)
     args = parser.parse_args()
     expected = args.threads * args.iterations
 

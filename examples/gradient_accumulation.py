@@ -1,6 +1,6 @@
 """Worker threads feed one optimizer through a safevars.GradientAccumulator.
 
-Run: python examples/gradient_accumulation.py [--workers 4] [--steps 25]
+Run: python examples/gradient_accumulation.py [--workers 4] [--steps 25] [--verbose]
 
 A small Keras classifier (synthetic data, fixed seed) is trained with synchronous data
 parallelism on threads. At every step each worker computes the gradient of its own
@@ -18,12 +18,13 @@ accumulated gradient is also compared with the gradient of the full batch.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -61,7 +62,15 @@ def train(workers: int, steps: int, jitter_seed: int) -> dict:
     optimizer = keras.optimizers.SGD(0.5)
     acc = GradientAccumulator(variables, num_required=workers, max_staleness=0)
 
-    @tf.function(autograph=False)
+    # One signature for the full batch and the micro-batches: traced once, not once per
+    # shape (which TensorFlow would report as retracing).
+    @tf.function(
+        autograph=False,
+        input_signature=[
+            tf.TensorSpec([None, FEATURES], tf.float32),
+            tf.TensorSpec([None], tf.int32),
+        ],
+    )
     def gradients(xb: tf.Tensor, yb: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
@@ -119,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=25)
+    add_verbose_argument(parser)
     args = parser.parse_args()
 
     runs = [train(args.workers, args.steps, jitter_seed=seed) for seed in (1, 2)]

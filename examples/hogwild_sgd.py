@@ -1,6 +1,6 @@
 """Hogwild-style asynchronous SGD: worker threads share one model, with and without safevars.
 
-Run: python examples/hogwild_sgd.py [--threads 4] [--steps 60]
+Run: python examples/hogwild_sgd.py [--threads 4] [--steps 60] [--verbose]
 
 Each worker thread repeatedly reads the shared parameters, computes the gradient of a
 logistic-regression loss on its own minibatch (synthetic data, fixed seed) and applies
@@ -25,10 +25,11 @@ the version each gradient was computed from, so that stale gradients are scaled 
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -142,6 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60, help="steps per worker")
+    add_verbose_argument(parser)
     args = parser.parse_args()
     tf.random.set_seed(0)
     x, y = make_data()

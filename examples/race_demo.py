@@ -1,6 +1,6 @@
 """The lost-update race: threads doing read-then-assign, plain tf.Variable vs safevars.
 
-Run: python examples/race_demo.py [--threads 8] [--iterations 2000]
+Run: python examples/race_demo.py [--threads 8] [--iterations 500] [--verbose]
 
 Each thread adds 1 to a shared variable ``iterations`` times. With a plain
 ``tf.Variable`` and ``v.assign(v.read_value() + 1)`` updates are lost whenever two threads
@@ -11,11 +11,12 @@ loop written with ``SafeVariable.update`` or ``safevars.locked`` loses none.
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import tensorflow as tf  # noqa: E402
 
@@ -41,7 +42,8 @@ def hammer(threads: int, work) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--iterations", type=int, default=500)
+    add_verbose_argument(parser)
     args = parser.parse_args()
     expected = args.threads * args.iterations
 

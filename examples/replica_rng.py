@@ -1,6 +1,6 @@
 """One seed, a reproducible random stream per replica: safevars.ReplicaRNG in two minutes.
 
-Run: python examples/replica_rng.py [--seed 1234]
+Run: python examples/replica_rng.py [--seed 1234] [--verbose]
 
 On two logical CPUs under ``MirroredStrategy`` the example shows that
 
@@ -22,7 +22,9 @@ import hashlib
 import os
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -45,6 +47,7 @@ def fingerprint(*arrays) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1234)
+    add_verbose_argument(parser)
     args = parser.parse_args()
 
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]

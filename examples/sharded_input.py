@@ -1,6 +1,6 @@
 """Restart in the middle of an epoch: plain sharding repeats or loses elements, safevars does not.
 
-Run: python examples/sharded_input.py [--seed 7]
+Run: python examples/sharded_input.py [--seed 7] [--verbose]
 
 Two workers each read their shard of 20 elements, reshuffled every epoch. The job is
 checkpointed after epoch 0 and 4 elements of epoch 1 per worker, dies, and restarts from
@@ -25,7 +25,9 @@ import collections
 import os
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from _quiet import add_verbose_argument, quiet_tensorflow_startup  # examples/_quiet.py
+
+quiet_tensorflow_startup()  # before TensorFlow is imported; --verbose shows its C++ start-up log
 
 import tensorflow as tf  # noqa: E402
 
@@ -79,6 +81,7 @@ def read(data: ShardedInput, worker: int, count: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=7)
+    add_verbose_argument(parser)
     args = parser.parse_args()
 
     restart_at_epoch_start = plain_epoch_1(args.seed, args.seed, "epoch start")

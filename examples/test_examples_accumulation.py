@@ -7,12 +7,20 @@ import re
 import subprocess
 import sys
 
+from _quiet import VERBOSE_ENV, startup_noise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
+}
 
 
 def test_gradient_accumulation_example():
     workers, steps = 3, 12
-    out = subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             os.path.join(HERE, "gradient_accumulation.py"),
@@ -25,7 +33,10 @@ def test_gradient_accumulation_example():
         text=True,
         timeout=300,
         check=True,
-    ).stdout
+        env=ENV,
+    )
+    out = done.stdout
+    assert startup_noise(done.stderr) == [], done.stderr
     assert "final weights bitwise identical across runs: True" in out, out
     losses = [tuple(map(float, m)) for m in re.findall(r"loss ([\d.]+) -> ([\d.]+)", out)]
     assert len(losses) == 2 and all(after < before for before, after in losses), out

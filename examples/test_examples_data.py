@@ -7,7 +7,15 @@ import re
 import subprocess
 import sys
 
+from _quiet import VERBOSE_ENV, startup_noise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
+}
 TIMEOUT = 120
 
 CHECKS = [
@@ -19,15 +27,15 @@ CHECKS = [
 
 
 def test_sharded_input_example_restarts_exactly():
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "sharded_input.py")],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env=env,
+        env=ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert startup_noise(proc.stderr) == [], proc.stderr
     out = proc.stdout
     results = dict(re.findall(r"^(.+?): (True|False)$", out, re.M))
     assert {check: results.get(check) for check in CHECKS} == dict.fromkeys(CHECKS, "True"), out

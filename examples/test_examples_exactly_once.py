@@ -8,7 +8,15 @@ import re
 import subprocess
 import sys
 
+from _quiet import VERBOSE_ENV, startup_noise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
+}
 ROW = re.compile(r"^(plain|exactly_once)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", re.M)
 BEFORE = re.compile(r"before scheduling again: (\{.*\})")
 BATCH = 32
@@ -16,17 +24,19 @@ BATCH = 32
 
 def test_exactly_once_example_counts_every_step_once():
     steps = 30
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     command = [sys.executable, os.path.join(HERE, "exactly_once_ps.py"), "--steps", str(steps)]
     # TensorFlow 2.21's in-process parameter-server cluster has been seen to die of
     # SIGSEGV while the coordinator recovers from the failing step (once in about ten
     # runs here): a process killed by a signal is run once more; any other failure, and
     # every assertion below, counts at once.
     for _attempt in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
         if done.returncode >= 0:
             break
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert startup_noise(done.stderr) == [], done.stderr
+    # The coordinator's log of the deliberate failure is hidden too (--verbose shows it).
+    assert "bad batch" not in done.stderr, done.stderr
     out = done.stdout
     rows = {m[0]: [int(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {"plain", "exactly_once"}, out

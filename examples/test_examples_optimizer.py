@@ -7,7 +7,15 @@ import re
 import subprocess
 import sys
 
+from _quiet import VERBOSE_ENV, startup_noise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
+}
 ROW = re.compile(
     r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", re.M
 )
@@ -15,7 +23,7 @@ ROW = re.compile(
 
 def test_hogwild_sgd_safe_optimizer_loses_nothing():
     threads, steps = 4, 40
-    out = subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             os.path.join(HERE, "hogwild_sgd.py"),
@@ -28,7 +36,10 @@ def test_hogwild_sgd_safe_optimizer_loses_nothing():
         text=True,
         timeout=300,
         check=True,
-    ).stdout
+        env=ENV,
+    )
+    out = done.stdout
+    assert startup_noise(done.stderr) == [], done.stderr
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {
         "plain SGD(momentum)",

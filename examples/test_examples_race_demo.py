@@ -7,11 +7,19 @@ import re
 import subprocess
 import sys
 
+from _quiet import VERBOSE_ENV, startup_noise
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
+}
 
 
 def test_race_demo_safevars_lose_nothing():
-    out = subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             os.path.join(HERE, "race_demo.py"),
@@ -24,7 +32,10 @@ def test_race_demo_safevars_lose_nothing():
         text=True,
         timeout=300,
         check=True,
-    ).stdout
+        env=ENV,
+    )
+    out = done.stdout
+    assert startup_noise(done.stderr) == [], done.stderr
     rows = dict(re.findall(r"^(\S.*?)\s+final\s+\d+\s+lost\s+(-?\d+)", out, re.M))
     assert set(rows) == {"plain tf.Variable", "SafeVariable.update", "safevars.locked"}, out
     assert rows["SafeVariable.update"] == "0" and rows["safevars.locked"] == "0", out
