@@ -229,7 +229,7 @@ class TestDeterminism:
     def test_reproducible_sum_is_order_free_exact_enough_and_xla_proof(self):
         from fractions import Fraction
 
-        from safevars.accumulator import _reproducible_sum
+        from safevars.accumulator.reproducible_sum import _reproducible_sum
 
         rng = np.random.default_rng(11)
         p, n = 24, 64
@@ -288,7 +288,7 @@ class TestDeterminism:
         reference of the same method."""
         from fractions import Fraction
 
-        from safevars.accumulator import _reproducible_sum
+        from safevars.accumulator.reproducible_sum import _reproducible_sum
 
         rng = np.random.default_rng(5)
         dynamic = tf.function(

@@ -1,0 +1,220 @@
+"""The commit of ``add``: one critical section, eager or in a graph.
+
+Inside the accumulator's lock (a Python lock eagerly, a ``tf.CriticalSection`` in a
+graph, the parameter server's through :mod:`.placement`) the staleness policy of
+:mod:`safevars.staleness` decides each contribution (accept, drop, scale or refuse),
+the accepted ones are copied to the next free rows of the buffer (growing it when full)
+or added to the running sum, and the counters of :mod:`.statistics` change with them.
+Decisions are Python values eagerly and tensors in a graph: one code path for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import tensorflow as tf
+
+from safevars._tf_internal import gen_resource_variable_ops
+from safevars.accumulator.placement import _as_tensors
+from safevars.accumulator.state import _AccumulatorBase, _Part
+from safevars.accumulator.statistics import _PENDING, _TAKES
+from safevars.locking import Guard, graph_section, hold
+from safevars.staleness import refuse_stale, scale_stale, version_lag
+
+
+class _Commit(_AccumulatorBase):
+    """The state change of ``add`` and the buffer it writes to."""
+
+    def _commit(self, parts: list[_Part]) -> int | tf.Tensor:
+        """Decides and commits contributions in one critical section."""
+        if not tf.executing_eagerly():
+            # The lock waits for every tensor of the contributions (after=parts).
+            return graph_section([self._guard], lambda: self._commit_body(parts), parts)
+        if self._remote:
+            accepted = int(
+                self._run_remote(
+                    "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
+                )
+            )
+        else:
+            with hold([self._guard]):
+                accepted = self._commit_body(parts)
+        if accepted:
+            with self._arrived:
+                self._arrivals += 1
+                self._arrived.notify_all()
+        return int(accepted)
+
+    def _commit_body(self, parts: list[_Part]) -> int | tf.Tensor:
+        """The state change of ``add``. Runs with the lock held (eager or graph)."""
+        eager = tf.executing_eagerly()
+        checks: list[Any] = []
+        kept: list[tuple[_Part, Any, Any, Any]] = []  # (part, accept, scale, staleness)
+        accepted, dropped, rejected, scaled = [], [], [], []
+        for part in parts:
+            staleness = self._staleness(part)
+            stale: Any = False
+            if staleness is not None:
+                stale = staleness > self._max_staleness
+            if (
+                self._on_stale == "raise"
+                and staleness is not None
+                and self._max_staleness is not None  # always, when staleness is not None
+            ):
+                # Eagerly raises StaleGradientError; in a graph, an assertion to run first.
+                check = refuse_stale(staleness, self._max_staleness, "accumulated")
+                if check is not None:
+                    checks.append(check)
+                stale = False
+            finite = part.finite
+            drop = stale if self._on_stale == "drop" else False
+            accept = _and(_not(drop), finite)
+            accepted.append(accept)
+            dropped.append(drop)
+            rejected.append(_and(_not(drop), _not(finite)))
+            scale = _and(accept, stale) if self._on_stale == "scale" else False
+            scaled.append(scale)
+            if accept is not False:
+                kept.append((part, accept, scale, staleness))
+        with tf.control_dependencies(checks):
+            self._apply(kept)
+            n = _total(accepted)
+            delta = [n, n, _total(dropped), _total(rejected), _total(scaled), 0, 0, 0]
+            if eager and not any(isinstance(d, tf.Tensor) for d in delta):
+                if any(delta):
+                    self._counters.assign_add(delta, read_value=False)
+            else:
+                delta = tf.stack([tf.cast(d, tf.int64) for d in delta])
+                self._counters.assign_add(delta, read_value=False)
+            if not eager:
+                return tf.cast(n, tf.int64)  # made to depend on the commit
+        return n
+
+    def _staleness(self, part: _Part) -> Any:
+        if part.version_kind == "none" or self._max_staleness is None:
+            return None
+        if part.version_kind == "int":
+            return version_lag(self._version_now(), part.version)
+        # Every slot has a guard: _normalize_version refuses per-variable versions otherwise.
+        guards = [cast(Guard, slot.guard) for slot in self._slots]
+        lags = [version_lag(guards[i].version(), v) for i, v in enumerate(part.version)]
+        if all(isinstance(x, int) for x in lags):
+            return max(lags)
+        return tf.reduce_max(tf.stack([tf.cast(x, tf.int64) for x in lags]))
+
+    def _apply(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
+        """Adds the accepted contributions to the state (lock held)."""
+        if not kept:
+            return
+        if self._deterministic:
+            self._store_rows(kept)
+            return
+        dense, sparse_elements, sparse_values = [], [], []
+        for part, accept, scale, staleness in kept:
+            values = scale_stale(part.values, staleness, scale)
+            if isinstance(accept, tf.Tensor):
+                values = tf.where(accept, values, tf.zeros_like(values))
+            if part.elements is None:
+                dense.append(values)
+            else:
+                sparse_elements.append(part.elements)
+                sparse_values.append(values)
+        if dense:
+            total = dense[0]
+            for d in dense[1:]:
+                total = total + d
+            self._state.assign_add(total, read_value=False)
+        if sparse_values:
+            gen_resource_variable_ops.resource_scatter_add(
+                self._state.handle, _concat(sparse_elements), _concat(sparse_values)
+            )
+
+    def _store_rows(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
+        """Copies the accepted rows to the next free buffer rows, growing it if full.
+
+        Rows refused at run time (a bool tensor) are moved behind the accepted ones, past
+        the new pending count, where they are ignored.
+        """
+        rows = [scale_stale(part.values, staleness, scale) for part, _, scale, staleness in kept]
+        block = rows[0][None] if len(rows) == 1 else tf.stack(rows)
+        accepts = [accept for _, accept, _, _ in kept]
+        if any(isinstance(a, tf.Tensor) for a in accepts):
+            refused = tf.stack([tf.logical_not(tf.cast(a, tf.bool)) for a in accepts])
+            block = tf.gather(block, tf.argsort(tf.cast(refused, tf.int32), stable=True))
+        count = len(rows)
+        if tf.executing_eagerly():
+            pending = int(self._counters[_PENDING])
+            capacity = int(self._rows_shape()[0])
+            if pending + count > capacity:
+                self._grow(capacity, pending + count)
+            positions = tf.range(pending, pending + count, dtype=tf.int64)
+            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
+            return
+        pending = self._counters[_PENDING]
+        capacity = self._rows_shape()[0]
+        needed = pending + count
+
+        def grow() -> tf.Tensor:
+            self._grow(capacity, needed)
+            return tf.constant(True)
+
+        grown = tf.cond(needed > capacity, grow, lambda: tf.constant(False))
+        with tf.control_dependencies([grown]):
+            positions = pending + tf.range(count, dtype=tf.int64)
+            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
+
+    def _rows_shape(self) -> tf.Tensor:
+        """The state's shape (int64), without reading it.
+
+        ``tf.shape(variable)`` reads the variable, and once a scatter has touched it a
+        read copies all of it.
+        """
+        return gen_resource_variable_ops.variable_shape(self._state.handle, out_type=tf.int64)
+
+    def _grow(self, capacity: int | tf.Tensor, needed: int | tf.Tensor) -> None:
+        """Doubles the row buffer (or more, to ``needed`` rows), keeping its rows."""
+        new = tf.maximum(tf.cast(capacity, tf.int64) * 2, tf.cast(needed, tf.int64))
+        extra = tf.zeros(tf.stack([new - tf.cast(capacity, tf.int64), self._size]), tf.float32)
+        rows = gen_resource_variable_ops.resource_gather(
+            self._state.handle, tf.range(tf.cast(capacity, tf.int64)), dtype=tf.float32
+        )
+        self._state.assign(tf.concat([rows, extra], 0), read_value=False)
+
+    def _version_now(self) -> int | tf.Tensor:
+        guards = [s.guard for s in self._slots if s.guard is not None]
+        if guards:
+            versions = [g.version() for g in guards]
+            if all(isinstance(v, int) for v in versions):
+                return max(versions)
+            return tf.reduce_max(tf.stack([tf.cast(v, tf.int64) for v in versions]))
+        takes = self._counters[_TAKES]
+        return int(takes) if tf.executing_eagerly() else takes
+
+
+def _not(x: Any) -> Any:
+    return tf.logical_not(x) if isinstance(x, tf.Tensor) else not x
+
+
+def _and(a: Any, b: Any) -> Any:
+    if isinstance(a, tf.Tensor) or isinstance(b, tf.Tensor):
+        if a is False or b is False:
+            return False
+        if a is True:
+            return b
+        if b is True:
+            return a
+        return tf.logical_and(a, b)
+    return bool(a) and bool(b)
+
+
+def _total(flags: Sequence[Any]) -> int | tf.Tensor:
+    tensors = [tf.cast(f, tf.int64) for f in flags if isinstance(f, tf.Tensor)]
+    constant = sum(1 for f in flags if f is True)
+    if not tensors:
+        return constant
+    return tf.add_n(tensors) + constant
+
+
+def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)

@@ -1,0 +1,369 @@
+"""GradientAccumulator: thread-safe, deterministic accumulation of gradients.
+
+The problem: accumulating gradients from several threads, micro-batches or replicas is a
+read-modify-write per step (Keras 3's ``gradient_accumulation_steps`` reads the
+accumulator, adds and assigns), so concurrent steps lose contributions; and a float32
+running sum depends on the order contributions arrive in, so two runs that saw the same
+gradients in a different order differ in their last bits (and then diverge).
+
+The fix: :class:`GradientAccumulator` commits each ``add`` in one critical section (a
+:class:`~safevars.locking.Guard`: a Python lock eagerly, a ``tf.CriticalSection`` once
+used in a ``tf.function``), so ``add``, ``take`` and ``reset`` are atomic with respect
+to each other. With ``deterministic=True`` (the default) the result is a function of the
+*set* of contributions only, so the order of arrival cannot change a single bit.
+
+How determinism is achieved, and what it costs in time, is told in
+:mod:`safevars.accumulator.reproducible_sum`; where each part of the class lives, in
+the docstring of :mod:`safevars.accumulator`.
+
+Memory cost of ``deterministic=True``: **4 bytes per element per buffered contribution**,
+that is ``4 * K`` bytes per gradient element to accumulate K micro-batches (Keras'
+``gradient_accumulation_steps`` and ``deterministic=False`` keep 4: one float32 running
+sum). The buffer starts with ``max(num_required, 4)`` rows, doubles when an ``add``
+finds it full and keeps its size after ``take``. ``take`` copies nothing: it reads the
+first ``2**ceil(log2(pending))`` rows in place (at least 4; the whole buffer beyond
+1024 pending) and reduces them in O(rows) per element; its only other memory is the
+float32 result and the compiled function's per-element temporaries. With
+``deterministic=False`` the state is one float32 (float64 for float64 variables)
+running sum per element, contributions are added in arrival order and the last bits
+may depend on that order.
+
+NOTES:
+  What is *not* guaranteed:
+
+  * ``deterministic=True`` covers float16, bfloat16 and float32 variables; float64
+    variables need ``deterministic=False``. TensorFlow flushes float32 subnormals to
+    zero on CPU; so does the accumulator.
+  * Staleness is judged against the variables' versions when the contribution is
+    committed; a concurrent optimizer step may commit a moment later. The decision is
+    exact for the accumulator's own version (the number of ``take`` calls).
+  * The buffer does not shrink: a burst of adds without ``take`` keeps its memory.
+  * ``take`` of a deterministic accumulator runs an XLA-compiled function; TensorFlow
+    builds without XLA's JIT cannot run it. It runs under the lock (it reads the rows
+    in place), so the first ``take`` for each power of two of pending rows also holds
+    the lock while XLA compiles (a fraction of a second).
+  * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
+    supported (see "Strategies" in :class:`GradientAccumulator`); under
+    ``ParameterServerStrategy`` the accumulator must be created in the strategy's
+    scope (or for variables on a parameter server), or the workers cannot reach it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from safevars._tf_internal import resource_variable_ops
+from safevars._validation import check_bool, check_choice, check_int
+from safevars.accumulator.commit import _Commit
+from safevars.accumulator.contributions import _Contributions
+from safevars.accumulator.placement import _Placement, _state_device
+from safevars.accumulator.replicas import _Replicas
+from safevars.accumulator.state import _Helpers, _Slot, _slot
+from safevars.accumulator.statistics import _NUM_COUNTERS, _PENDING, AccumulatorStatistics
+from safevars.accumulator.take import _Take
+from safevars.distribute import check_strategy, on_parameter_server
+from safevars.errors import DTypeMismatchError, InvalidArgumentError
+from safevars.locking import Guard, check_timeout, graph_section, hold, protect
+from safevars.staleness import check_stale_policy
+
+__all__ = ["GradientAccumulator"]
+
+_MIN_ROWS = 4
+_REDUCTIONS = ("mean", "sum")
+_NONFINITE_POLICIES = ("propagate", "raise", "skip")
+
+
+class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement, tf.Module):
+    """Accumulates gradients from threads, micro-batches or replicas; thread-safe.
+
+    Example::
+
+        acc = safevars.GradientAccumulator(model.trainable_variables, num_required=4)
+        # in each of 4 worker threads, or for each of 4 micro-batches:
+        acc.add(tape.gradient(loss, model.trainable_variables))
+        # in the trainer:
+        optimizer.apply(acc.take(timeout=60), model.trainable_variables)
+
+    Args:
+      variables: The variables the gradients are for: a ``tf.Variable``,
+        ``keras.Variable`` or :class:`~safevars.SafeVariable`, or a (nested) list,
+        tuple or dict of them. Shapes must be fully defined; dtypes float16, bfloat16,
+        float32 (and float64 with ``deterministic=False``).
+      reduction: "mean" (sum divided by the number of contributions) or "sum".
+      num_required: If set, an eager ``take`` waits until this many contributions are
+        pending (see :meth:`take`).
+      max_staleness: If set, a contribution computed from parameters more than this many
+        versions old is handled by ``on_stale``.
+      on_stale: "drop" (counted in ``statistics().dropped_stale``), "raise"
+        (:class:`~safevars.StaleGradientError`, nothing accumulated) or "scale" (the
+        contribution is multiplied by ``1 / (staleness + 1)``, after Zhang et al.,
+        "Staleness-aware Async-SGD", 2016; with ``max_staleness=0`` every late
+        contribution is scaled, which is their rule). The mean still divides by the
+        number of contributions.
+      deterministic: If True, keep every pending contribution (4 bytes per element each)
+        and reduce them in a canonical order at ``take``: the result is bitwise identical
+        whatever order they arrive in. If False, a float32 running sum (4 bytes per
+        element in all), order-dependent in its last bits.
+      nonfinite: What to do with a contribution holding NaN or Inf: "propagate" (the
+        default: accumulate it, as IEEE addition would), "raise"
+        (:class:`~safevars.NonFiniteGradientError`, nothing accumulated) or "skip"
+        (counted in ``statistics().rejected``).
+      name: Name of the module and prefix of its state variables.
+
+    Raises:
+      InvalidArgumentError: an argument is out of range, or ``variables`` is empty or
+        holds something that is not a variable with a fully defined shape.
+      DTypeMismatchError: a variable's dtype is not supported (see ``deterministic``).
+
+    Thread safety:
+      ``add``, ``take``, ``take_if_ready`` and ``reset`` are atomic with respect to each
+      other in every thread, eagerly and inside ``tf.function``s: a contribution is taken
+      exactly once or discarded by ``reset``, never lost or counted twice. The gradient
+      arithmetic of ``add`` runs outside the lock; only the commit (a row copy or an
+      ``assign_add``) holds it. ``take`` holds it while it reads the pending state: a
+      deterministic accumulator reduces the rows in place then (one compiled pass, no
+      copy); ``deterministic=False`` copies the running sum and divides after.
+
+    Modes:
+      Eagerly, the lock is a Python lock and errors are raised before anything changes.
+      Inside a ``tf.function``, state changes run inside a ``tf.CriticalSection`` (from
+      then on eager calls take the same mutex), and checks that depend on tensor values
+      (staleness with ``on_stale="raise"``, ``nonfinite="raise"``, sparse indices,
+      ``num_required`` in ``take``) fail when the graph runs, with a
+      ``tf.errors.InvalidArgumentError`` whose message names the safevars error; nothing
+      of that call is accumulated. Inside ``strategy.run`` every replica's contribution
+      counts once; the state is one non-distributed copy, so ``take`` returns the
+      cross-replica reduction.
+
+    Strategies:
+      ``MirroredStrategy``: one copy of the state on the first variable's device; the
+      replicas' contributions are committed in one ``merge_call``, in replica order.
+      ``MultiWorkerMirroredStrategy``: each worker keeps its own copy; inside
+      ``strategy.run`` every replica's contribution (with its value checks and
+      version) is all-gathered first, so every worker commits the same contributions
+      in the same order and takes the same bits; a refused contribution fails every
+      worker's step alike. ``ParameterServerStrategy``: create the accumulator in
+      ``strategy.scope()`` on the coordinator (or for variables on a parameter server):
+      its state and critical section live on the first variable's parameter server,
+      so ``add`` in functions scheduled on any worker counts once, and eager calls on
+      the coordinator run the same critical section as a ``tf.function``. Any other
+      strategy, or a PS setup whose workers cannot reach the state, raises
+      :class:`~safevars.UnsupportedStrategyError`.
+
+    State (the buffered contributions or running sum, and the counters) is
+    checkpointable: ``tf.train.Checkpoint(accumulator=acc)`` saves it, and resuming
+    after a restore gives the same result as not stopping.
+    """
+
+    def __init__(
+        self,
+        variables: Any,
+        *,
+        reduction: str = "mean",
+        num_required: int | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "drop",
+        deterministic: bool = True,
+        nonfinite: str = "propagate",
+        name: str = "gradient_accumulator",
+    ) -> None:
+        super().__init__(name=name)
+        if tf.distribute.has_strategy():
+            check_strategy()
+        reduction = check_choice(reduction, "reduction", _REDUCTIONS)
+        max_staleness, on_stale = check_stale_policy(max_staleness, on_stale)
+        nonfinite = check_choice(nonfinite, "nonfinite", _NONFINITE_POLICIES)
+        num_required = check_int(num_required, "num_required", 1, optional=True)
+        deterministic = check_bool(deterministic, "deterministic")
+        self._reduction = reduction
+        self._num_required = num_required
+        self._max_staleness = max_staleness
+        self._on_stale = on_stale
+        self._deterministic = deterministic
+        self._nonfinite = nonfinite
+
+        leaves = tf.nest.flatten(variables)
+        if not leaves:
+            raise InvalidArgumentError(
+                "variables must hold at least one variable, got an empty structure."
+            )
+        slots: list[_Slot] = []
+        for index, variable in enumerate(leaves):
+            slots.append(_slot(index, variable, sum(s.size for s in slots)))
+        # Python structures live in an untracked holder: tf.Module would wrap them.
+        self._helpers = _Helpers(leaves, tf.nest.map_structure(lambda _: 0, variables))
+        self._slots = tuple(slots)
+        self._size = sum(s.size for s in slots)
+        if any(s.dtype == tf.float64 for s in self._slots):
+            if deterministic:
+                names = [s.name for s in self._slots if s.dtype == tf.float64]
+                raise DTypeMismatchError(
+                    f"deterministic=True supports float16, bfloat16 and float32 "
+                    f"variables; {names} are float64. Pass deterministic=False to "
+                    "accumulate them in float64 (in arrival order)."
+                )
+            self._sum_dtype = tf.float64
+        else:
+            self._sum_dtype = tf.float32
+
+        device = _state_device(leaves[0])
+        prefix = name
+        with tf.init_scope(), tf.device(device):
+            # Direct ResourceVariable construction bypasses distribution strategies'
+            # variable creators: the state is one copy even under strategy.scope().
+            if deterministic:
+                rows = max(num_required or 0, _MIN_ROWS)
+                # Declared with an unknown rank, not [None, elements]: TensorFlow 2.21
+                # aborts a worker that receives a handle to a remote variable whose
+                # shape has an unknown dimension (RemoteMgr builds a TensorShape from
+                # it), which is how ParameterServerStrategy workers reach the state.
+                self._state = resource_variable_ops.ResourceVariable(
+                    tf.zeros([rows, self._size], tf.float32),
+                    trainable=False,
+                    name=f"{prefix}_rows",
+                    shape=tf.TensorShape(None),
+                )
+            else:
+                self._state = resource_variable_ops.ResourceVariable(
+                    tf.zeros([self._size], self._sum_dtype),
+                    trainable=False,
+                    name=f"{prefix}_sum",
+                )
+            self._counters = resource_variable_ops.ResourceVariable(
+                tf.zeros([_NUM_COUNTERS], tf.int64),
+                trainable=False,
+                name=f"{prefix}_counters",
+            )
+            self._guard = Guard(self._state)
+            protect(self._guard, self._counters)  # Checkpoints save both under the lock.
+        # State on a parameter server: eager calls (on the coordinator) run as
+        # tf.functions, whose critical section runs there (see _run_remote).
+        self._remote = on_parameter_server(self._state.device)
+        self._arrived = threading.Condition()
+        self._arrivals = 0
+        helpers = self._helpers
+        helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
+        helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
+        if deterministic:
+            helpers.reduce = tf.function(
+                self._reduce_math,
+                autograph=False,
+                jit_compile=True,
+                input_signature=[
+                    tf.TensorSpec([None, 0], tf.float32),
+                    tf.TensorSpec([], tf.int64),
+                ],
+            )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def reduction(self) -> str:
+        """ "mean" or "sum"."""
+        return self._reduction
+
+    @property
+    def num_required(self) -> int | None:
+        """How many contributions an eager ``take`` waits for (None: no waiting)."""
+        return self._num_required
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether results are bitwise independent of the order of arrival."""
+        return self._deterministic
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of accumulation state now (eager).
+
+        Deterministic: 4 × buffer rows per element (rows >= the most contributions ever
+        pending at once, at least ``max(num_required, 4)``). Otherwise 4 (8 for float64)
+        per element.
+        """
+        return int(np.prod(self._rows_shape().numpy())) * self._state.dtype.size
+
+    @property
+    def count(self) -> int | tf.Tensor:
+        """Contributions pending (accumulated and not yet taken).
+
+        Returns:
+          Eagerly an ``int``; inside a ``tf.function`` an int64 scalar tensor.
+
+        Thread safety: a consistent value (one read of the counters), possibly stale by
+        the time the caller uses it; use :meth:`take_if_ready` to act on it atomically.
+        """
+        value = self._counters[_PENDING]
+        return int(value) if tf.executing_eagerly() else value
+
+    @property
+    def version(self) -> int | tf.Tensor:
+        """The parameter version an ``int`` version given to :meth:`add` is compared with.
+
+        The largest ``.version`` among the SafeVariables in ``variables`` (an optimizer
+        step adds 1 to each), or, when none is a SafeVariable, the number of ``take``
+        calls that took something so far (``statistics().takes``).
+
+        Returns:
+          Eagerly an ``int``; inside a ``tf.function`` an int64 scalar tensor.
+        """
+        return self._version_now()
+
+    def statistics(self) -> AccumulatorStatistics:
+        """A frozen :class:`AccumulatorStatistics` record, read at one instant.
+
+        Thread safety: all fields belong to the same instant (read under the lock).
+
+        Modes: eagerly Python ``int`` fields; inside a ``tf.function`` int64 tensors
+        read inside the critical section.
+        """
+        if tf.executing_eagerly():
+            if self._remote:
+                values = self._run_remote("statistics", self.statistics)
+                return AccumulatorStatistics(*(int(v) for v in values))
+            with hold([self._guard]):
+                values = self._counters.numpy().tolist()
+            return AccumulatorStatistics(*values)
+        counters = graph_section([self._guard], self._counters.read_value)
+        return AccumulatorStatistics(*tf.unstack(counters))
+
+    def locked(self, timeout: float | None = None) -> hold:
+        """Holds the accumulator still: no ``add``, ``take`` or ``reset`` meanwhile.
+
+        Example::
+
+            with accumulator.locked():
+                pending = accumulator.count     # and nothing arrives until the block ends
+
+        ``tf.train.Checkpoint`` and Keras saving take this lock themselves while they
+        save or restore the accumulator (its rows and counters are always a state that
+        existed); use this for reading several things at one instant, or to pause
+        contributions.
+
+        Args:
+          timeout: Seconds to wait for the lock at most (None: no limit).
+
+        Returns:
+          A context manager (``safevars.locked``'s kind).
+
+        Raises:
+          LockTimeoutError: the lock was not free within ``timeout``.
+
+        Thread safety: exclusive with every safevars operation on the accumulator;
+        re-entrant for the holding thread.
+
+        Modes: eager only; on a parameter server, hold it from a scheduled or coordinator
+        ``tf.function`` instead (an eager lock from the coordinator is refused).
+        """
+        return hold([self._guard], check_timeout(timeout))
+
+    def __repr__(self) -> str:
+        kind = "deterministic" if self._deterministic else "float"
+        pending = self.count if tf.executing_eagerly() else "?"
+        return (
+            f"<safevars.GradientAccumulator {self.name!r} variables={len(self._slots)} "
+            f"elements={self._size} reduction={self._reduction} {kind} pending={pending}>"
+        )

@@ -1,0 +1,316 @@
+"""``take``, ``take_if_ready`` and ``reset``: the pending contributions out, atomically.
+
+An eager ``take`` waits (polling for contributions added by running graphs) until
+``num_required`` are pending; in a graph it does not wait but asserts. Under the lock it
+reads the pending state and resets the counters: a deterministic accumulator reduces
+its rows there, in place, with :mod:`.reproducible_sum`; a running sum is copied and
+divided after the lock is released. ``reset`` discards the pending contributions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from safevars.accumulator.replicas import _replica_context
+from safevars.accumulator.reproducible_sum import (
+    _GROUP,  # noqa: F401 (named in _reduce_rows' docstring)
+    _MARKER_TABLE,
+    _marker_shapes,
+    _reproducible_sum,
+)
+from safevars.accumulator.state import _AccumulatorBase
+from safevars.accumulator.statistics import (
+    _DISCARDED,
+    _NUM_COUNTERS,
+    _PENDING,
+    _TAKEN,
+    _TAKES,
+)
+from safevars.errors import AccumulatorTimeoutError, assertion_text
+from safevars.locking import graph_section, hold
+
+_POLL_SECONDS = 0.05
+
+
+class _Take(_AccumulatorBase):
+    """Taking (reduced and divided) and discarding the pending contributions."""
+
+    def take(self, timeout: float | None = None) -> Any:
+        """Returns the reduced gradients and resets, atomically.
+
+        Args:
+          timeout: With ``num_required``, how many seconds an eager ``take`` waits for
+            that many contributions (None: as long as it takes). Ignored otherwise.
+
+        Returns:
+          The structure of ``variables`` holding one dense tensor per variable, in the
+          variable's dtype: the mean (or sum) of the pending contributions; zeros when
+          none is pending. Sparse contributions come back dense.
+
+        Raises:
+          AccumulatorTimeoutError: fewer than ``num_required`` contributions arrived
+            before the timeout; the pending contributions are kept.
+
+        Thread safety: reading the pending contributions (or the running sum) and
+        resetting is one atomic step with respect to ``add``, ``take`` and ``reset`` in
+        every thread and running graph; each contribution is taken by exactly one
+        ``take``. A deterministic accumulator reduces the rows under the lock (in
+        place, without copying them); a running sum is divided after the lock is
+        released.
+
+        Modes: eagerly it blocks (polling at most every 50 ms for contributions added
+        by running graphs). Inside a ``tf.function`` it does not wait: with fewer than
+        ``num_required`` pending it fails at run time (``tf.errors.InvalidArgumentError``
+        naming AccumulatorTimeoutError) and keeps them; use :meth:`take_if_ready` with
+        ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
+        returns the same result to every replica.
+        """
+        self._strategy()
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.take(timeout))
+        if tf.executing_eagerly():
+            return self._take_eager(timeout)
+        return self._take_graph(conditional=False)[1]
+
+    def _take_now(self, required: int) -> Any | None:
+        """Eager: takes if ``required`` are pending (and at least one, if required > 0);
+        returns the reduced gradients, or None if it took nothing."""
+        if self._remote:
+            if not required:
+                return self._run_remote("take", lambda: self._take_graph(False)[1])
+            ready, grads = self._run_remote(
+                f"take_if_ready_{required}", lambda: self._take_graph(True, required)
+            )
+            return grads if bool(ready) else None
+        with hold([self._guard]):
+            taken = self._take_locked(required)
+        return None if taken is None else self._finish(*taken)
+
+    def take_if_ready(self) -> tuple[bool | tf.Tensor, Any]:
+        """Takes only if at least ``num_required`` (or 1) contributions are pending.
+
+        Returns:
+          ``(taken, gradients)``. Eagerly ``(True, gradients)`` or ``(False, None)``.
+          Inside a ``tf.function`` ``taken`` is a bool tensor and ``gradients`` are
+          zeros when it is False (branch on it with ``tf.cond``).
+
+        Thread safety: the check and the take are one atomic step, so of two callers
+        racing for the same contributions exactly one gets them.
+
+        Modes: eager and ``tf.function``; inside ``strategy.run`` as :meth:`take`.
+        """
+        self._strategy()
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.take_if_ready())
+        if not tf.executing_eagerly():
+            return self._take_graph(conditional=True)
+        grads = self._take_now(self._num_required or 1)
+        return (False, None) if grads is None else (True, grads)
+
+    def _take_eager(self, timeout: float | None) -> Any:
+        required = self._num_required or 0
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            with self._arrived:
+                generation = self._arrivals
+            grads = self._take_now(required)
+            if grads is not None:
+                return grads
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AccumulatorTimeoutError(
+                    f"take(timeout={timeout}) waited for {required} contributions "
+                    f"(num_required) but only {self.count} arrived; they are kept for "
+                    "the next take."
+                )
+            wait = _POLL_SECONDS if remaining is None else min(remaining, _POLL_SECONDS)
+            with self._arrived:
+                if self._arrivals == generation:
+                    self._arrived.wait(wait)
+
+    def _take_locked(self, required: int) -> tuple[Any, int] | None:
+        """Eager: reads the pending state and resets it if ``required`` are pending.
+
+        Returns ``(state, pending)`` for :meth:`_finish`, or None. A deterministic
+        accumulator's state is already reduced (see :meth:`_reduce_rows`).
+        """
+        pending = int(self._counters[_PENDING])
+        if pending < required or (required and pending == 0):
+            return None
+        if self._deterministic:
+            state = self._reduce_rows(pending)
+        else:
+            state = self._state.read_value()
+            with tf.control_dependencies([state]):
+                self._state.assign(
+                    tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                )
+        delta = [0] * _NUM_COUNTERS
+        delta[_PENDING], delta[_TAKEN], delta[_TAKES] = -pending, pending, int(pending > 0)
+        self._counters.assign_add(delta, read_value=False)
+        return state, pending
+
+    def _reduce_rows(self, pending: int | tf.Tensor) -> tuple[tf.Tensor, ...]:
+        """The reduced pending rows, one tensor per variable (lock held; deterministic).
+
+        One XLA-compiled function reads the row buffer in place (no copy), reduces its
+        first ``pending`` rows with :func:`_reproducible_sum`, divides and splits the
+        result by variable. It reads the first ``rows`` rows of the buffer, ``rows``
+        the power of two at or above ``pending`` (at least :data:`_GROUP`): the shape of
+        an empty ``[rows, 0]`` tensor passed to it, so one trace serves every count and
+        XLA compiles once per power of two that occurs (XLA needs static shapes).
+        Past :data:`_MARKER_TABLE` pending rows it reads the whole buffer.
+        """
+        if isinstance(pending, tf.Tensor) and tf.get_static_value(pending) is None:
+            pending = tf.cast(pending, tf.int64)
+            shape = tf.gather(_marker_shapes(), tf.minimum(pending, _MARKER_TABLE))
+        else:
+            count = (
+                int(tf.get_static_value(pending))
+                if isinstance(pending, tf.Tensor)
+                else int(pending)
+            )
+            shape = _marker_shapes()[min(count, _MARKER_TABLE)]
+            pending = tf.constant(count, tf.int64)
+        return self._helpers.reduce(tf.zeros(shape, tf.float32), pending)
+
+    def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        buffer = tf.reshape(self._state.read_value(), [-1, self._size])
+        rows = buffer[: tf.shape(marker)[0]]  # or fewer, if the buffer is smaller
+        return self._split(_reproducible_sum(rows, count), count)
+
+    def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
+        if required is None:
+            required = self._num_required or (1 if conditional else 0)
+
+        def body() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+            pending = self._counters[_PENDING]
+            ready = pending >= max(required, 1) if conditional else tf.constant(True)
+            checks = []
+            if required and not conditional:
+                checks.append(
+                    tf.debugging.Assert(
+                        pending >= required,
+                        [
+                            assertion_text(
+                                AccumulatorTimeoutError, "take() inside a tf.function found"
+                            ),
+                            pending,
+                            "contributions pending but num_required =",
+                            required,
+                            "(they are kept)",
+                        ],
+                    )
+                )
+            with tf.control_dependencies(checks):
+                if not self._deterministic:
+                    state = self._state.read_value()
+                elif conditional:
+                    state = tf.cond(ready, lambda: self._reduce_rows(pending), self._zeros)
+                else:
+                    state = self._reduce_rows(pending)
+
+            def reset() -> tf.Tensor:
+                with tf.control_dependencies(tf.nest.flatten(state)):
+                    if not self._deterministic:
+                        self._state.assign(
+                            tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                        )
+                    delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
+                    delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                    delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * tf.cast(
+                        pending > 0, tf.int64
+                    )
+                    self._counters.assign_add(delta, read_value=False)
+                    return tf.constant(True)
+
+            if conditional:
+                done = tf.cond(ready, reset, lambda: tf.constant(False))
+            else:
+                done = reset()
+            return state, pending, done
+
+        state, pending, ready = graph_section([self._guard], body)
+        if conditional and not self._deterministic:
+            grads = tf.cond(
+                ready,
+                lambda: tuple(tf.nest.flatten(self._finish(state, pending))),
+                self._zeros,
+            )
+            return ready, tf.nest.pack_sequence_as(self._helpers.structure, list(grads))
+        return ready, self._finish(state, pending)
+
+    def _zeros(self) -> tuple[tf.Tensor, ...]:
+        return tuple(tf.zeros(s.shape, s.dtype) for s in self._slots)
+
+    def _finish(self, state: Any, pending: int | tf.Tensor) -> Any:
+        """Reduced gradients from a state read by take (outside the lock).
+
+        A deterministic accumulator's state was reduced under the lock already.
+        """
+        if self._deterministic:
+            flat = state
+        else:
+            pending = tf.convert_to_tensor(pending, tf.int64)
+            math = self._helpers.finish if tf.executing_eagerly() else self._finish_math
+            flat = math(state, pending)
+        return tf.nest.pack_sequence_as(self._helpers.structure, list(flat))
+
+    def _finish_math(self, state: tf.Tensor, pending: tf.Tensor) -> tuple:
+        return self._split(state, pending)
+
+    def _split(self, total: tf.Tensor, pending: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        """The flat sum divided for "mean", cut into one tensor per variable."""
+        if self._reduction == "mean":
+            divisor = tf.cast(tf.maximum(pending, 1), total.dtype)
+            total = total / divisor
+        dtypes = {slot.dtype for slot in self._slots}
+        if len(dtypes) == 1:  # one cast of the whole (a cast rounds each element alone)
+            total = tf.cast(total, dtypes.pop())
+        out = []
+        for slot in self._slots:
+            piece = total[slot.offset : slot.offset + slot.size]
+            out.append(tf.reshape(tf.cast(piece, slot.dtype), slot.shape))
+        return tuple(out)
+
+    def reset(self) -> tf.Operation | None:
+        """Discards every pending contribution (counted in ``statistics().discarded``).
+
+        Returns:
+          None eagerly; inside a ``tf.function`` the op that resets.
+
+        Thread safety: atomic with respect to ``add``, ``take`` and ``reset``.
+
+        Modes: eager, ``tf.function`` (in the critical section) and ``strategy.run``
+        (once for all replicas).
+        """
+        self._strategy()
+        replica = _replica_context()
+        if replica is not None:
+            return replica.merge_call(lambda _: self.reset())
+
+        def body() -> tf.Tensor:
+            pending = self._counters[_PENDING]
+            with tf.control_dependencies([pending]):
+                if not self._deterministic:  # buffered rows past pending are ignored
+                    self._state.assign(
+                        tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                    )
+                delta = tf.one_hot(_DISCARDED, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                self._counters.assign_add(delta, read_value=False)
+            return pending
+
+        if tf.executing_eagerly():
+            if self._remote:
+                self._run_remote("reset", self.reset)
+                return None
+            with hold([self._guard]):
+                body()
+            return None
+        return graph_section([self._guard], body).op
