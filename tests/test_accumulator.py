@@ -541,6 +541,47 @@ class TestStaleness:
         assert acc.statistics().scaled == 2
         np.testing.assert_array_equal(acc.take()[0], [14.0, 7.0])
 
+    @pytest.mark.parametrize("deterministic", [True, False])
+    def test_scale_divides_by_staleness_plus_one_exactly(self, mode, deterministic):
+        v = tf.Variable(tf.zeros([3]))
+        acc = GradientAccumulator(
+            [v], max_staleness=0, on_stale="scale", reduction="sum", deterministic=deterministic
+        )
+        for _ in range(2):
+            acc.add([tf.zeros([3])])
+            acc.take()
+        values = np.array([5.0, 7.0, 1.0], np.float32)
+        mode(lambda g: acc.add([g], version=0))(tf.constant(values))  # 2 behind: / 3
+        # A division, rounded once: 5 * (1 / 3) and 7 * (1 / 3) differ in the last bit.
+        assert acc.take()[0].numpy().tobytes() == (values / np.float32(3)).tobytes()
+
+    def test_a_version_from_the_future_is_not_stale(self, mode):
+        v = tf.Variable(tf.zeros([1]))
+        acc = GradientAccumulator([v], max_staleness=0, on_stale="raise")
+        add = mode(lambda ver: acc.add([tf.ones([1])], version=ver))
+        assert as_int(add(tf.constant(5))) == 1  # the lag is clamped at 0
+        assert acc.statistics().added == 1
+
+    def test_refusal_on_a_parameter_server_comes_back_as_stale_gradient_error(self):
+        # State on a parameter server: eager calls run as tf.functions (_run_remote) and
+        # the staleness assertion fails inside; here in-process, marked remote.
+        v = SafeVariable(tf.zeros([2]))
+        acc = GradientAccumulator([v], max_staleness=0, on_stale="raise")
+        acc._remote = True
+        assert acc.add([tf.ones([2])], version=0) == 1
+        v.assign_add([1.0, 1.0])
+        before = state(acc)
+        with pytest.raises(StaleGradientError) as raised:
+            acc.add([tf.ones([2])], version=0)
+        assert str(raised.value) == (
+            "The gradients are 1 updates stale, more than max_staleness=0; nothing was "
+            "accumulated. Recompute them from the current parameters, or pass on_stale=drop "
+            "or on_stale=scale (checked on the parameter server; nothing of the call took "
+            "effect)."
+        )
+        assert state(acc) == before
+        assert acc.add([tf.ones([2])], version=1) == 1
+
     def test_scale_float_accumulator(self):
         v = tf.Variable(tf.zeros([1]))
         acc = GradientAccumulator(

@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from safevars.accumulator.replicas import _replica_context
 from safevars.accumulator.reproducible_sum import (
-    _GROUP,  # noqa: F401 (named in _reduce_rows' docstring)
     _MARKER_TABLE,
     _marker_shapes,
     _reproducible_sum,
@@ -161,9 +160,10 @@ class _Take(_AccumulatorBase):
         One XLA-compiled function reads the row buffer in place (no copy), reduces its
         first ``pending`` rows with :func:`_reproducible_sum`, divides and splits the
         result by variable. It reads the first ``rows`` rows of the buffer, ``rows``
-        the power of two at or above ``pending`` (at least :data:`_GROUP`): the shape of
-        an empty ``[rows, 0]`` tensor passed to it, so one trace serves every count and
-        XLA compiles once per power of two that occurs (XLA needs static shapes).
+        the power of two at or above ``pending`` (at least ``_GROUP`` of
+        :mod:`.reproducible_sum`): the shape of an empty ``[rows, 0]`` tensor passed to
+        it, so one trace serves every count and XLA compiles once per power of two that
+        occurs (XLA needs static shapes).
         Past :data:`_MARKER_TABLE` pending rows it reads the whole buffer.
         """
         if isinstance(pending, tf.Tensor) and tf.get_static_value(pending) is None:
@@ -277,6 +277,8 @@ class _Take(_AccumulatorBase):
             piece = total[slot.offset : slot.offset + slot.size]
             out.append(tf.reshape(tf.cast(piece, slot.dtype), slot.shape))
         return tuple(out)
+
+    # ------------------------------------------------------------------ reset
 
     def reset(self) -> tf.Operation | None:
         """Discards every pending contribution (counted in ``statistics().discarded``).
