@@ -554,6 +554,27 @@ class TestKeras:
         with pytest.raises(InvalidArgumentError, match="layer"):
             ReplicaRNG(3).attach(tf.Module())
 
+    def test_seed_generator_class_keeps_its_public_name(self):
+        # Built lazily in safevars/rng/keras_seed_generator.py, public (and serialized
+        # by Keras) as safevars.rng.ReplicaSeedGenerator.
+        import keras
+
+        import safevars.rng
+        from safevars.rng import ReplicaSeedGenerator
+
+        gen = ReplicaRNG(3).keras_seed_generator("g")
+        assert type(gen) is ReplicaSeedGenerator is safevars.rng.ReplicaSeedGenerator
+        assert type(ReplicaRNG(3).for_replica(0).keras_seed_generator()) is ReplicaSeedGenerator
+        assert ReplicaSeedGenerator.__module__ == "safevars.rng"
+        config = keras.saving.serialize_keras_object(gen)
+        assert (config["module"], config["class_name"], config["registered_name"]) == (
+            "safevars.rng",
+            "ReplicaSeedGenerator",
+            "ReplicaSeedGenerator",
+        )
+        with pytest.raises(AttributeError, match="'safevars.rng' has no attribute 'NoSuchName'"):
+            safevars.rng.NoSuchName  # noqa: B018
+
     def test_attached_layer_variables_stay_consistent(self):
         import keras
 
@@ -647,3 +668,13 @@ class TestBadInput:
         assert isinstance(rng.for_replica(0), ReplicaStream)
         assert rng.for_replica(tf.constant(0)) is rng.for_replica(0)
         assert "seed=1" in repr(rng) and "replica=0" in repr(rng.streams[0])
+
+
+class TestPackage:
+    def test_import_paths(self):
+        import safevars
+        import safevars.rng
+
+        assert safevars.rng.ReplicaRNG is safevars.ReplicaRNG is ReplicaRNG
+        assert safevars.rng.ReplicaStream is safevars.ReplicaStream is ReplicaStream
+        assert safevars.rng.__all__ == ["ReplicaRNG", "ReplicaStream"]

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from safevars.data._source import Elements
-from safevars.rng import _seed63, _sequence
+from safevars.rng.seed_derivation import _seed63, _sequence
 
 REMAINDER_POLICIES = ("spread", "drop", "pad")
 

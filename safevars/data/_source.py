@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from safevars._validation import is_int
 from safevars.errors import InvalidArgumentError
-from safevars.rng import _is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def source_elements(source: Any, map_fn: Any, with_weights: bool) -> tuple[int, 
                     "or pass the number of elements and map ids to elements yourself."
                 ) from None
         return cardinality, Elements("dataset", source, map_fn, with_weights)
-    if _is_int(source):
+    if is_int(source):
         return int(source), Elements("ids", None, map_fn, with_weights)
     if isinstance(source, (bool, np.bool_, str, bytes)) or source is None:
         raise InvalidArgumentError(

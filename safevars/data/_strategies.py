@@ -9,7 +9,7 @@ import tensorflow as tf
 from safevars.data._layout import Layout
 from safevars.distribute import check_strategy, is_parameter_server
 from safevars.errors import InvalidArgumentError
-from safevars.rng import _parameter_server_tasks
+from safevars.rng.placement import _parameter_server_tasks
 
 
 def local_replicas(strategy: tf.distribute.Strategy) -> int:

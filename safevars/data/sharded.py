@@ -75,6 +75,7 @@ import numpy as np
 import tensorflow as tf
 
 from safevars._tf_internal import resource_variable_ops
+from safevars._validation import check_bool, check_choice, check_int
 from safevars.data._layout import (
     REMAINDER_POLICIES,
     Layout,
@@ -86,7 +87,9 @@ from safevars.data._source import source_elements
 from safevars.data._strategies import check_coordinator, check_mirrored, default_layout
 from safevars.distribute import check_strategy, is_parameter_server
 from safevars.errors import InvalidArgumentError, NotCallableError, UnsupportedStrategyError
-from safevars.rng import ReplicaRNG, _check_int, _check_seed, _ps_device
+from safevars.rng import ReplicaRNG
+from safevars.rng.arguments import _check_seed
+from safevars.rng.placement import _ps_device
 
 __all__ = ["REMAINDER_POLICIES", "ShardedInput"]
 
@@ -161,27 +164,27 @@ class ShardedInput(tf.Module):
         name: str | None = None,
     ) -> None:
         seed = seed.seed if isinstance(seed, ReplicaRNG) else _check_seed(seed)
-        if remainder not in REMAINDER_POLICIES:
-            raise InvalidArgumentError(
-                f"remainder must be one of {', '.join(map(repr, REMAINDER_POLICIES))}, got "
-                f"{remainder!r}. 'spread' delivers every element exactly once per epoch."
-            )
-        for argument, value in (("shuffle", shuffle), ("with_weights", with_weights)):
-            if not isinstance(value, (bool, np.bool_)):
-                raise InvalidArgumentError(f"{argument} must be a bool, got {value!r}.")
+        check_choice(
+            remainder,
+            "remainder",
+            REMAINDER_POLICIES,
+            "'spread' delivers every element exactly once per epoch.",
+        )
+        check_bool(shuffle, "shuffle")
+        check_bool(with_weights, "with_weights")
         if map_fn is not None and not callable(map_fn):
             raise NotCallableError(f"map_fn must be callable or None, got {map_fn!r}.")
         strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         parameter_server, default_workers, default_replicas = default_layout(strategy)
         fix = "Pass a positive int, or create the ShardedInput in strategy.scope()."
-        num_workers = _check_int(
-            default_workers if num_workers is None else num_workers, "num_workers", 1, fix
+        num_workers = check_int(
+            default_workers if num_workers is None else num_workers, "num_workers", 1, fix=fix
         )
-        replicas_per_worker = _check_int(
+        replicas_per_worker = check_int(
             default_replicas if replicas_per_worker is None else replicas_per_worker,
             "replicas_per_worker",
             1,
-            fix,
+            fix=fix,
         )
         num_elements, elements = source_elements(source, map_fn, bool(with_weights))
         if num_elements < 1:
@@ -264,9 +267,9 @@ class ShardedInput(tf.Module):
           InvalidArgumentError: ``worker`` or ``replica`` is not an int in range.
         """
         layout = self._layout
-        worker = _check_int(worker, "worker", 0, f"Workers are 0..{layout.num_workers - 1}.")
-        replica = _check_int(
-            replica, "replica", 0, f"Replicas are 0..{layout.replicas_per_worker - 1}."
+        worker = check_int(worker, "worker", 0, fix=f"Workers are 0..{layout.num_workers - 1}.")
+        replica = check_int(
+            replica, "replica", 0, fix=f"Replicas are 0..{layout.replicas_per_worker - 1}."
         )
         if worker >= layout.num_workers:
             raise InvalidArgumentError(
@@ -286,7 +289,7 @@ class ShardedInput(tf.Module):
 
     def steps_per_epoch(self, batch_size: int) -> int:
         """Batches of the longest shard per epoch: the synchronous steps of one epoch."""
-        batch_size = _check_int(batch_size, "batch_size", 1, "Pass a positive batch size.")
+        batch_size = check_int(batch_size, "batch_size", 1, fix="Pass a positive batch size.")
         return math.ceil(self._layout.shard_length(0) / batch_size)
 
     def shard_ids(self, epoch: int, worker: int = 0, replica: int = 0) -> np.ndarray:
@@ -298,7 +301,7 @@ class ShardedInput(tf.Module):
         Raises:
           InvalidArgumentError: bad ``epoch``, ``worker`` or ``replica``.
         """
-        epoch = _check_int(epoch, "epoch", 0, "Epochs count from 0.")
+        epoch = check_int(epoch, "epoch", 0, fix="Epochs count from 0.")
         return shard_ids(self._layout, self.shard_index(worker, replica), epoch)
 
     def position(self, worker: int = 0, replica: int = 0) -> tuple[int, int]:
@@ -328,9 +331,9 @@ class ShardedInput(tf.Module):
         self, batch_size: int | None, epochs: int | None, batch_required: bool
     ) -> tuple[int | None, int | None]:
         if batch_size is not None or batch_required:
-            batch_size = _check_int(batch_size, "batch_size", 1, "Pass a positive batch size.")
+            batch_size = check_int(batch_size, "batch_size", 1, fix="Pass a positive batch size.")
         if epochs is not None:
-            epochs = _check_int(epochs, "epochs", 1, "Pass a positive number, or None.")
+            epochs = check_int(epochs, "epochs", 1, fix="Pass a positive number, or None.")
         return batch_size, epochs
 
     def dataset(

@@ -1,0 +1,93 @@
+"""The Philox kernels of a draw: fused stateful kernels and the split (skip, stateless) form.
+
+Every draw is ``philox(key, counter)`` from a 3-element int64 state ``[counter_lo,
+counter_hi, key]`` (the layout of ``tf.random.Generator``). Two equivalent forms produce
+it (bitwise the same values and final state): one fused stateful kernel per distribution
+(``StatefulStandardNormalV2``, ...), or ``RngReadAndSkip`` (:func:`_read_and_skip`) then
+the stateless ``*V2`` kernel (:func:`_stateless_draw`). Which form a draw takes is
+:meth:`ReplicaStream._generate`'s choice (:mod:`.replica_stream`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from safevars._tf_internal import gen_stateful_random_ops, gen_stateless_random_ops_v2
+
+_PHILOX = 1  # tf.random.Algorithm.PHILOX.value
+
+# (fused stateful kernel, stateless kernel) of each distribution: see
+# ReplicaStream._generate(). Graph draws of fewer elements than _FUSED_MAX_ELEMENTS
+# use the fused kernel.
+_NORMAL = (
+    gen_stateful_random_ops.stateful_standard_normal_v2,
+    gen_stateless_random_ops_v2.stateless_random_normal_v2,
+)
+_TRUNCATED_NORMAL = (
+    gen_stateful_random_ops.stateful_truncated_normal,
+    gen_stateless_random_ops_v2.stateless_truncated_normal_v2,
+)
+_UNIFORM = (
+    gen_stateful_random_ops.stateful_uniform,
+    gen_stateless_random_ops_v2.stateless_random_uniform_v2,
+)
+_UNIFORM_INT = (
+    gen_stateful_random_ops.stateful_uniform_int,
+    gen_stateless_random_ops_v2.stateless_random_uniform_int_v2,
+)
+_FULL_INT = (
+    gen_stateful_random_ops.stateful_uniform_full_int,
+    gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2,
+)
+_FUSED_MAX_ELEMENTS = 1 << 16
+
+_Kernels = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def _shape(shape: Any) -> Any:
+    """The shape argument of a draw; an empty shape must be an integer tensor."""
+    if isinstance(shape, tf.TensorShape):
+        shape = shape.as_list()
+    if isinstance(shape, (tuple, list)) and not shape:
+        return tf.constant([], tf.int64)
+    return shape
+
+
+def _static_num_elements(shape: Any) -> int | None:
+    """The number of elements of a draw of ``shape``, or None if it is not static."""
+    if isinstance(shape, (tf.Tensor, tf.Variable)):
+        shape = tf.get_static_value(shape)
+        if shape is None:
+            return None
+    try:
+        return int(np.prod(np.asarray(shape, dtype=np.int64)))
+    except (TypeError, ValueError):
+        return None
+
+
+def _delta(shape: Any, size: int | None) -> tf.Tensor:
+    """The counter advance of a draw: its number of elements, as a uint64 scalar."""
+    if size is not None:
+        return tf.constant(size, tf.uint64)
+    return tf.cast(tf.reduce_prod(tf.cast(shape, tf.int64)), tf.uint64)
+
+
+def _read_and_skip(handle: tf.Tensor, delta: tf.Tensor) -> tf.Tensor:
+    """Fetches ``[counter_lo, counter_hi, key]`` and advances the counter, atomically.
+
+    The op runs where the state lives (a parameter server under
+    ``ParameterServerStrategy``); only the three integers travel.
+    """
+    return gen_stateful_random_ops.rng_read_and_skip(handle, alg=_PHILOX, delta=delta)
+
+
+def _stateless_draw(
+    stateless: Callable[..., Any], shape: Any, state: tf.Tensor, **kwargs: Any
+) -> tf.Tensor:
+    """Fills ``shape`` from a fetched ``[counter_lo, counter_hi, key]`` state."""
+    counter, key = tf.split(tf.bitcast(state, tf.uint64), [2, 1])
+    return stateless(shape, key=key, counter=counter, alg=_PHILOX, **kwargs)
