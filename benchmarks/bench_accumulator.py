@@ -25,8 +25,9 @@ Variants:
 Where the extra time of ``deterministic=True`` goes: each ``add`` copies the gradients
 into a buffer row (a scatter, as cheap as the running sum's ``assign_add``, plus a
 capacity check); each ``take`` runs one XLA-compiled pass over the K pending rows, in
-place (the reproducible summation of :mod:`safevars.accumulator`). Both accumulator
-variants also pay for flattening the gradients and one critical section per call.
+place (the reproducible summation of :mod:`safevars.accumulator.reproducible_sum`). Both
+accumulator variants also pay for flattening the gradients and one critical section per
+call.
 
 ``params`` records the memory cost of ``deterministic=True``: bytes of accumulation state
 for each variant; the deterministic buffer holds one float32 row per pending
