@@ -34,15 +34,13 @@ import numpy as np
 import tensorflow as tf
 
 from safevars.data._source import Elements
-from safevars.rng.seed_derivation import _seed63, _sequence
+from safevars.rng.seed_derivation import _DOMAIN_SHUFFLE, _INT64_MAX, _seed63, _sequence
 
 REMAINDER_POLICIES = ("spread", "drop", "pad")
 
-# The SeedSequence domain of the epoch order's key (safevars.rng uses 0..4 for its own
-# derived values; the spawn key below is (5, ...) so it never equals one of them).
-_DOMAIN_SHUFFLE = 5
+# The epoch order's key is derived in its own SeedSequence domain (_DOMAIN_SHUFFLE,
+# reserved for it in safevars.rng), so it never equals one of rng's derived values.
 _IDENTITY = ("safevars.data", 0)  # not a task: the order is the same on every worker
-_INT64_MAX = (1 << 63) - 1
 _CHUNK = 256  # Elements looked up per gather when the pipeline is not batched.
 
 

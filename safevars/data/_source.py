@@ -96,4 +96,6 @@ def source_elements(source: Any, map_fn: Any, with_weights: bool) -> tuple[int, 
             "source tensors must all have rank >= 1 and the same first dimension (the "
             f"elements, as for from_tensor_slices); got first dimensions {sorted(map(str, leading))}."
         )
-    return int(leading.pop()), Elements("tensors", tensors, map_fn, with_weights)
+    (first,) = leading
+    assert first is not None  # refused above
+    return int(first), Elements("tensors", tensors, map_fn, with_weights)

@@ -420,7 +420,9 @@ class ShardedInput(tf.Module):
             raise UnsupportedStrategyError(
                 "under ParameterServerStrategy use per_worker_dataset(coordinator, ...)."
             )
-        batch_size, epochs = self._check_pipeline(batch_size, epochs, True)
+        checked_batch, epochs = self._check_pipeline(batch_size, epochs, True)
+        assert checked_batch is not None  # batch_required
+        batch_size = checked_batch
         self._check_layout()
         layout = self._layout
         check_mirrored(layout, strategy, options)
