@@ -115,8 +115,10 @@ def _make_safe(
 ) -> SafeOptimizer:
     """Implements ``SafeOptimizer(...)``: checks everything, then changes the class."""
     optimizer = _resolve(optimizer)
-    check_settings(accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs)
-    if accumulate_steps > 1 and optimizer.gradient_accumulation_steps:
+    settings = check_settings(
+        accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs
+    )
+    if settings["accumulate_steps"] > 1 and optimizer.gradient_accumulation_steps:
         raise InvalidArgumentError(
             f"accumulate_steps={accumulate_steps} and the optimizer's "
             f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} would "
@@ -127,13 +129,6 @@ def _make_safe(
     if name is not None and not isinstance(name, str):
         raise InvalidArgumentError(f"name must be a str or None, got {short(name)}.")
     cls = _safe_class(type(optimizer))
-    settings = {
-        "accumulate_steps": int(accumulate_steps),
-        "max_staleness": None if max_staleness is None else int(max_staleness),
-        "on_stale": on_stale,
-        "nonfinite": nonfinite,
-        "deterministic": deterministic,
-    }
     runtime = _Runtime(settings, name or optimizer.name)
     object.__setattr__(optimizer, "_safevars", runtime)
     try:

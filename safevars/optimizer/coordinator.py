@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from safevars.errors import NonFiniteGradientError, StaleGradientError
+from safevars.errors import NonFiniteGradientError, StaleGradientError, from_assertion
 from safevars.optimizer.runtime import OptimizerPart, _Step
 
 
@@ -82,15 +82,11 @@ class CoordinatorPart(OptimizerPart):
         try:
             fn(list(step.grads), versions)
         except tf.errors.InvalidArgumentError as e:
-            if "safevars StaleGradientError" in e.message:
-                raise StaleGradientError(
-                    f"The gradients are more than max_staleness={self.max_staleness} "
-                    "updates stale; nothing was applied. Recompute them from the current "
-                    "parameters, or use on_stale='drop' or 'scale'."
-                ) from None
-            if "safevars NonFiniteGradientError" in e.message:
-                raise NonFiniteGradientError(
-                    "A gradient holds NaN or Inf and nonfinite='raise'; nothing was "
-                    "applied. Use nonfinite='skip' to skip such steps."
-                ) from None
+            error = from_assertion(
+                e,
+                (StaleGradientError, NonFiniteGradientError),
+                note=" (checked on the parameter server).",
+            )
+            if error is not None:
+                raise error from None
             raise

@@ -48,7 +48,11 @@ def branch(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -
 
 
 def refuse(bad: Any, error: Callable[[], Exception], message: str) -> Any:
-    """Raises ``error()`` now if ``bad`` is known true; in a graph, an assertion op."""
+    """Raises ``error()`` now if ``bad`` is known true; in a graph, an assertion op.
+
+    ``message`` is the assertion's text, tagged with :func:`safevars.errors.assertion_text`
+    so that :func:`safevars.errors.from_assertion` can turn its failure back into the error.
+    """
     decided = decide(bad)
     if decided is not None:
         if decided:
@@ -71,10 +75,6 @@ def logical_and(a: Any, b: Any) -> Any:
     if db is not None:
         return a if db else False
     return tf.logical_and(a, b)
-
-
-def to_float(value: Any) -> Any:
-    return float(value) if is_static(value) else tf.cast(value, tf.float32)
 
 
 def where(pred: Any, a: Any, b: Any) -> Any:

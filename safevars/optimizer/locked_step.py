@@ -6,7 +6,9 @@
 :meth:`LockedStepPart._safevars_locked_step` applies the policies in one trace-safe
 path (decisions are Python values eagerly and tensors in a graph):
 
-* staleness (``max_staleness`` with ``on_stale="drop" | "raise" | "scale"``);
+* staleness (``max_staleness`` with ``on_stale="drop" | "raise" | "scale"``; the lag
+  measured in ``versions.py``, the refusal and the scale factor from
+  :mod:`safevars.staleness`);
 * non-finite gradients (``nonfinite="skip" | "raise"``);
 * then the update (``accumulation.py``, ``keras_update.py``) unless dropped or skipped,
   and the counters last (``statistics.py``).
@@ -21,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from safevars.errors import NonFiniteGradientError, StaleGradientError
+from safevars.errors import NonFiniteGradientError, assertion_text
 from safevars.locking import graph_section, hold
 from safevars.optimizer.decisions import (
     all_finite,
@@ -30,11 +32,18 @@ from safevars.optimizer.decisions import (
     logical_not,
     refuse,
     scale,
-    to_float,
     where,
     zero,
 )
 from safevars.optimizer.runtime import _COUNTERS, OptimizerPart, _Step
+from safevars.staleness import refuse_stale, stale_scale_factor
+
+# The nonfinite="raise" refusal, eagerly (with a final period) and as a run-time
+# assertion. No quotes: a graph's assertion message shows them escaped, as \'.
+_NONFINITE = (
+    "A gradient holds NaN or Inf and nonfinite=raise; nothing was applied. Use "
+    "nonfinite=skip to skip such steps, or a LossScaleOptimizer for mixed precision"
+)
 
 # How many SafeOptimizer sections the calling thread is inside (running or tracing). A
 # SafeOptimizer called by another one's update (LossScaleOptimizer or MultiOptimizer
@@ -80,24 +89,12 @@ class LockedStepPart(OptimizerPart):
             staleness = self._safevars_staleness(step)
             stale = staleness > runtime.max_staleness
             if runtime.on_stale == "raise":
-                checks.append(
-                    refuse(
-                        stale,
-                        lambda: StaleGradientError(
-                            f"The gradients are {int(staleness)} updates stale, more than "
-                            f"max_staleness={runtime.max_staleness}; nothing was applied. "
-                            "Recompute them from the current parameters, or use "
-                            "on_stale='drop' or 'scale'."
-                        ),
-                        "safevars StaleGradientError: the gradients are more than "
-                        "max_staleness updates stale; nothing was applied.",
-                    )
-                )
+                checks.append(refuse_stale(staleness, runtime.max_staleness, "applied"))
             elif runtime.on_stale == "drop":
                 keep = logical_not(stale)
                 counts["dropped_stale"] = stale
             else:
-                factor = where(stale, 1.0 / (to_float(staleness) + 1.0), 1.0)
+                factor = where(stale, stale_scale_factor(staleness), 1.0)
                 grads = [scale(g, factor) for g in grads]
                 counts["scaled_stale"] = stale
         if runtime.nonfinite is not None:
@@ -106,13 +103,8 @@ class LockedStepPart(OptimizerPart):
                 checks.append(
                     refuse(
                         logical_not(finite),
-                        lambda: NonFiniteGradientError(
-                            "A gradient holds NaN or Inf and nonfinite='raise'; nothing was "
-                            "applied. Use nonfinite='skip' to skip such steps, or a "
-                            "LossScaleOptimizer for mixed precision."
-                        ),
-                        "safevars NonFiniteGradientError: a gradient holds NaN or Inf; "
-                        "nothing was applied.",
+                        lambda: NonFiniteGradientError(f"{_NONFINITE}."),
+                        assertion_text(NonFiniteGradientError, _NONFINITE),
                     )
                 )
             else:

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from safevars._tf_internal import sharded_variable
-from safevars._validation import short
+from safevars._validation import check_bool, check_choice, check_int, short
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -23,15 +22,11 @@ from safevars.errors import (
 )
 from safevars.optimizer.runtime import OptimizerPart, _Step
 from safevars.optimizer.versions import normalize_versions
+from safevars.staleness import check_stale_policy
 from safevars.variable import SafeVariable
 
-ON_STALE_POLICIES = ("drop", "raise", "scale")
-NONFINITE_POLICIES = (None, "skip", "raise")
-
-
-def check_int(value: Any, argument: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InvalidArgumentError(f"{argument} must be an int >= {minimum}, got {short(value)}.")
+NONFINITE_POLICIES = ("skip", "raise")
+"""The values ``nonfinite`` accepts besides ``None`` (no check, the default)."""
 
 
 def check_settings(
@@ -41,29 +36,43 @@ def check_settings(
     nonfinite: Any,
     deterministic: Any,
     kwargs: dict[str, Any],
-) -> None:
-    """Checks SafeOptimizer's own arguments (nothing is changed before they pass)."""
-    check_int(accumulate_steps, "accumulate_steps", minimum=1)
-    if max_staleness is not None:
-        check_int(max_staleness, "max_staleness", minimum=0)
-    if on_stale not in ON_STALE_POLICIES:
-        raise InvalidArgumentError(
-            f"on_stale must be one of {ON_STALE_POLICIES}, got {on_stale!r}."
+) -> dict[str, Any]:
+    """Checks SafeOptimizer's own arguments (nothing is changed before they pass).
+
+    Returns:
+      The settings, normalised (Python ``int`` s and ``bool`` s), as the optimizer keeps
+      them: ``accumulate_steps``, ``max_staleness``, ``on_stale``, ``nonfinite``,
+      ``deterministic``.
+
+    Raises:
+      InvalidArgumentError: an argument is out of range, or ``kwargs`` is not empty (an
+        optimizer argument given to SafeOptimizer).
+    """
+    accumulate_steps = check_int(
+        accumulate_steps,
+        "accumulate_steps",
+        1,
+        fix="It is the number of calls averaged into one update (1: no accumulation).",
+    )
+    max_staleness, on_stale = check_stale_policy(max_staleness, on_stale)
+    if nonfinite is not None:
+        nonfinite = check_choice(
+            nonfinite, "nonfinite", NONFINITE_POLICIES, fix="None (the default) does not check."
         )
-    if nonfinite not in NONFINITE_POLICIES:
-        raise InvalidArgumentError(
-            f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}."
-        )
-    if not isinstance(deterministic, bool):
-        raise InvalidArgumentError(
-            f"deterministic must be True or False, got {short(deterministic)}."
-        )
+    deterministic = check_bool(deterministic, "deterministic")
     for key, value in kwargs.items():
         raise InvalidArgumentError(
             f"SafeOptimizer does not take {key}={short(value)}: set it on the optimizer "
             "you make safe (for example keras.optimizers.Adam(..., "
             f"{key}=...)), or as an attribute of the safe optimizer afterwards."
         )
+    return {
+        "accumulate_steps": accumulate_steps,
+        "max_staleness": max_staleness,
+        "on_stale": on_stale,
+        "nonfinite": nonfinite,
+        "deterministic": deterministic,
+    }
 
 
 def is_variable(value: Any) -> bool:

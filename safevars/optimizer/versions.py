@@ -5,7 +5,8 @@ A call may say what its gradients were computed from: one int (compared with
 :class:`~safevars.Snapshot` or ``None``). :func:`normalize_versions` checks and
 normalises it before anything changes; inside the section
 :meth:`VersionsPart._safevars_staleness` measures how many updates behind the gradients
-are, which the ``max_staleness`` / ``on_stale`` policy (in ``locked_step.py``) acts on.
+are (with :mod:`safevars.staleness`, shared with GradientAccumulator), which the
+``max_staleness`` / ``on_stale`` policy (in ``locked_step.py``) acts on.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from safevars._validation import short
+from safevars._validation import is_int, short
 from safevars.errors import InvalidArgumentError
 from safevars.optimizer.decisions import numpy_of
 from safevars.optimizer.runtime import OptimizerPart, _Step
 from safevars.snapshot import Snapshot
+from safevars.staleness import version_lag
 
 
 def _version_value(value: Any, where: str) -> Any:
@@ -28,7 +29,7 @@ def _version_value(value: Any, where: str) -> Any:
         value = value.version
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{where} must be an int version, got {value!r}.")
-    if isinstance(value, (int, np.integer)):
+    if is_int(value):
         if value < 0:
             raise InvalidArgumentError(f"{where} must be >= 0, got {value}.")
         return int(value)
@@ -70,54 +71,39 @@ class VersionsPart(OptimizerPart):
     """SafeOptimizer's part that measures staleness from the versions given."""
 
     def _safevars_staleness(self, step: _Step) -> Any:
+        """How many updates behind ``step``'s gradients are (clamped at 0).
+
+        The lag (:func:`safevars.staleness.version_lag`) of ``iterations`` behind a
+        global version, or the largest lag of a listed variable behind its version.
+
+        Raises:
+          InvalidArgumentError: eagerly, a version is ahead of the current one (it
+            cannot have been read before the gradients were computed). In a graph such a
+            version counts as fresh.
+
+        Modes: eagerly a Python ``int``; in a graph an int64 tensor (or ``0``).
+        """
         assert step.versions is not None  # the caller checks
         kind, given = step.versions
-        eager = tf.executing_eagerly()
         if kind == "global":
-            current = self.iterations
-            if eager:
-                staleness = int(numpy_of(current)) - int(numpy_of(given))
-            else:
-                staleness = tf.cast(current, tf.int64) - tf.cast(given, tf.int64)
-        else:
-            parts = []
-            for guard, value in zip(step.guards, given):
-                if value is None:
-                    continue
-                if eager:
-                    parts.append(int(guard.version()) - int(numpy_of(value)))
-                else:
-                    parts.append(guard.version_var.read_value() - tf.cast(value, tf.int64))
-            if not parts:
-                return 0
-            staleness = max(parts) if eager else tf.reduce_max(tf.stack(parts))
-        if eager:
-            if staleness < 0:
-                raise InvalidArgumentError(
-                    f"version is {-staleness} update(s) ahead of the current state: it "
-                    "must be a version read before the gradients were computed "
-                    "(optimizer.iterations, v.version or a snapshot)."
-                )
-            return staleness
-        return tf.maximum(staleness, 0)
+            return version_lag(self.iterations, given, refuse_future=True)
+        eager = tf.executing_eagerly()
+        lags = [
+            version_lag(
+                int(guard.version()) if eager else guard.version_var.read_value(),
+                value,
+                refuse_future=True,
+                argument=f"version[{position}]",
+            )
+            for guard, value, position in zip(step.guards, given, step.kept)
+            if value is not None
+        ]
+        if not lags:
+            return 0
+        return max(lags) if eager else tf.reduce_max(tf.stack(lags))
 
     def _safevars_refuse_future_versions(self, step: _Step) -> None:
         """Eager check that no given version is ahead of the current state."""
         if self.max_staleness is None or step.versions is None:
             return
-        kind, given = step.versions
-        if kind == "global":
-            pairs = [(int(numpy_of(self.iterations)), given)]
-        else:
-            pairs = [
-                (int(guard.version()), value)
-                for guard, value in zip(step.guards, given)
-                if value is not None
-            ]
-        for current, value in pairs:
-            if int(value) > current:
-                raise InvalidArgumentError(
-                    f"version is {int(value) - current} update(s) ahead of the current "
-                    "state: it must be a version read before the gradients were computed "
-                    "(optimizer.iterations, v.version or a snapshot)."
-                )
+        self._safevars_staleness(step)  # eagerly, refuses a version from the future
