@@ -7,6 +7,7 @@ are exact. No test asserts a timing.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import numpy as np
@@ -434,6 +435,21 @@ def test_held_locks_lists_nested_and_shared_holders_and_nothing_after():
             assert a.statistics().where.endswith(".py:" + a.statistics().where.split(":")[-1])
     assert safevars.held_locks() == []
     assert a.statistics().thread_name is None and a.statistics().held_for is None
+
+
+def test_where_is_the_callers_line_however_deep_in_safevars_the_lock_is_taken():
+    # update() and transaction() reach the lock through several safevars modules; every
+    # safevars frame is skipped, so `where` names the line that called safevars.
+    v = SafeVariable(0.0)
+    seen = []
+    update_line = sys._getframe().f_lineno + 1
+    v.update(lambda x: seen.append(v.statistics().where) or x + 1.0)
+    transaction_line = sys._getframe().f_lineno + 1
+    safevars.transaction([v], lambda: seen.append(v.statistics().where))
+    assert [where.rsplit("/", 1)[-1] for where in seen] == [
+        f"test_locking.py:{update_line}",
+        f"test_locking.py:{transaction_line}",
+    ]
 
 
 # ---------------------------------------------------------------------- shared locks

@@ -1,0 +1,115 @@
+"""Locks, versions and the global lock order: how a critical section is entered eagerly.
+
+Every :class:`~safevars.SafeVariable` owns one :class:`Guard` (its version) and points at
+one :class:`SectionLock` (its lock). Usually each variable has a lock of its own;
+:func:`share_lock` lets variables that are always updated together (a model's weights
+and its optimizer's state) share one, each keeping its own version, so a step over them
+takes one lock instead of one per variable. Graph sections (``tf.function``) are in
+:mod:`safevars.sections`; this module is the eager half and the bookkeeping both share.
+
+Two lock levels, one order:
+
+* **Eager level.** A ``threading.Lock`` per :class:`SectionLock`, re-entrant for the
+  thread that holds it (a holder and a depth), plus a *sequence number* that is odd
+  while a section is open. Optimistic snapshot readers (see :mod:`safevars.snapshot`)
+  read the sequence numbers before and after reading values and retry on a change.
+  Versions live in a Python ``int``: a write costs one uncontended ``Lock.acquire``.
+* **Run-time level.** A ``tf.CriticalSection``'s mutex, placed on the variables' device,
+  created the first time one of the lock's variables is written, versioned or
+  snapshotted inside a ``tf.function``; from then on the lock is in *run-time mode*:
+  graph sections take the mutex with a ``MutexLock`` op, eager sections take it too (so
+  eager threads and running graphs exclude each other), and versions live in int64
+  resource variables next to the values.
+
+Locks are ordered by creation (:attr:`SectionLock.order`). Sections that name several
+locks take them in that order, which rules out deadlock. A thread that holds some locks
+may take more only in increasing order; anything else raises
+:class:`~safevars.LockOrderError` *before* taking any lock.
+
+Faults. The bookkeeping is written so that an exception raised at any bytecode (an
+asynchronous exception from ``PyThreadState_SetAsyncExc``, a ``KeyboardInterrupt`` from
+SIGINT) leaves every lock either not taken or fully released:
+
+* CPython raises asynchronous exceptions only at *check points* (after a call returns,
+  at a function's first instruction, on a backward jump). Acquisition is recorded by the
+  same C call that takes the mutex (:func:`_take`), so a handler always knows whether it
+  holds the lock; every release is a run of attribute stores with no check point before
+  the final ``Lock.release()`` call.
+* An eager write and its version count are made by one C call chain
+  (:meth:`Guard.write_counted`), so an interrupt cannot land between them: value and
+  version stay paired.
+* A :class:`hold` (``safevars.locked``) whose ``__exit__`` never ran (an interrupt at its
+  first instruction, or a context entered by hand and dropped) releases its locks when it
+  is garbage-collected.
+* A lock whose holding thread has ended is taken back by the next thread that waits for
+  it (:attr:`LockStatistics.takeovers` counts it); a later thread reusing the dead
+  thread's identifier is never mistaken for the holder (holders are ``Thread`` objects).
+
+What is not covered: a second asynchronous exception delivered while the handler of
+the first is releasing (the same limit as ``contextlib`` and any ``finally`` block), and
+distributed variables, whose writes go through Python code between the write and the
+count (the lock is still never orphaned).
+
+NOTES:
+  Calling a ``tf.function`` that writes ``v`` from inside ``safevars.locked(v)`` once
+  ``v`` is in run-time mode would wait on a mutex the caller holds, exactly as nesting
+  ``tf.CriticalSection.execute`` would. safevars detects it when the function is traced
+  inside the section (raising :class:`~safevars.LockReentryError`) but cannot see a
+  function traced elsewhere and merely called inside the section: do not do that.
+
+Where things live (one idea per file):
+
+* ``lock_order.py``: the global lock order (``sorted_locks``) and its check.
+* ``section_lock.py``: :class:`SectionLock`, the lock itself, and its run-time mode.
+* ``acquisition.py``: taking a lock (holder recorded atomically, takeover from an
+  ended thread, the run-time mutex taken eagerly, timeouts, ``check_timeout``).
+* ``ownership.py``: who holds what (the holder record, each thread's held list, where
+  a lock was taken).
+* ``holding.py``: :class:`hold`, several locks at once (``safevars.locked``).
+* ``guard.py``: :class:`Guard`, a variable's version and lock (``call_locked``,
+  ``write_counted``), and ``protect``/``guard_of``/``guards_of``.
+* ``sharing.py``: :func:`share_lock`.
+* ``statistics.py``: :class:`LockStatistics`, :func:`held_locks`/:class:`HeldLock`, the
+  duplicate counters of :mod:`safevars.exactly_once`.
+* Graph sections (``tf.function``): :mod:`safevars.sections`.
+
+Besides ``__all__``, this package re-exports (``name as name``) the internal names that
+other safevars modules reach as ``safevars.locking.<name>``.
+"""
+
+from safevars import _autograph  # noqa: F401  (registers safevars with AutoGraph)
+from safevars.locking.acquisition import check_timeout
+from safevars.locking.guard import Guard, guard_of, guards_of, protect
+from safevars.locking.guard import _VersionVariable as _VersionVariable
+from safevars.locking.holding import hold
+from safevars.locking.holding import hold_locks as hold_locks
+from safevars.locking.lock_order import sorted_locks as sorted_locks
+from safevars.locking.ownership import _current_thread as _current_thread
+from safevars.locking.ownership import _held as _held
+from safevars.locking.ownership import _holding as _holding
+from safevars.locking.ownership import _local as _local
+from safevars.locking.section_lock import SectionLock
+from safevars.locking.section_lock import _guards_of_lock as _guards_of_lock
+from safevars.locking.sharing import share_lock
+from safevars.locking.statistics import DUPLICATE_COUNTERS as DUPLICATE_COUNTERS
+from safevars.locking.statistics import HeldLock, LockStatistics, held_locks
+
+__all__ = [
+    "Guard",
+    "HeldLock",
+    "LockStatistics",
+    "SectionLock",
+    "check_timeout",
+    "guard_of",
+    "guards_of",
+    "held_locks",
+    "hold",
+    "protect",
+    "share_lock",
+]
+
+
+# Graph sections live in safevars.sections; these names stay importable from here.
+# Savers (tf.train.Checkpoint, Keras model.save) take the locks of what they save.
+from safevars import checkpointing as _checkpointing  # noqa: E402, F401
+from safevars.sections import graph_section, held_in_graph  # noqa: E402, F401

@@ -1,0 +1,153 @@
+"""Taking one lock: the acquire that records its holder, takeovers, the run-time mutex.
+
+* :func:`_take` acquires the ``threading.Lock`` and records the holder in one C call:
+  an interrupt lands either before (nothing taken) or after (the holder's handler sees
+  itself in the slot).
+* A waiter looks every ``_POLL`` seconds for a holder thread that has ended and takes
+  its lock back (:func:`_take_back`, serialized by ``_TAKEOVER``).
+* In run-time mode an eager section also takes the lock's ``tf.CriticalSection`` mutex
+  (:func:`_mutex_lock`; in a helper thread when there is a timeout).
+* :func:`check_timeout` checks a ``timeout`` argument, and :func:`_timeout_error` says
+  who holds the lock when a wait runs out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from safevars import _tf_internal as tfi
+from safevars.errors import InvalidArgumentError, LockTimeoutError
+
+if TYPE_CHECKING:
+    from safevars.locking.section_lock import SectionLock
+
+
+_TAKEOVER = threading.Lock()  # Serializes taking a lock back from a dead holder.
+_POLL = 0.25  # Seconds between dead-holder checks while waiting for a lock.
+
+
+def _take(lock: SectionLock, me: threading.Thread, timeout: float | None) -> None:
+    """Acquires ``lock._mutex`` and records ``me`` in ``lock._slot`` in one C call.
+
+    ``compress((me,), map(acquire, ...))`` yields ``me`` only if ``acquire`` returned
+    True, and ``list.extend`` appends it inside the same call: there is no check point
+    between taking the mutex and recording the holder, so an interrupt either comes
+    before (nothing taken) or after (the holder's handler sees itself in the slot).
+
+    Raises:
+      LockTimeoutError: ``timeout`` seconds passed; nothing is held.
+    """
+    slot, mutex = lock._slot, lock._mutex
+    slot.extend(itertools.compress((me,), map(mutex.acquire, (False,))))
+    if slot and slot[0] is me:
+        return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
+        slot.extend(itertools.compress((me,), map(mutex.acquire, (True,), (wait,))))
+        if slot and slot[0] is me:
+            return
+        holder = slot[0] if slot else None
+        if holder is not None and not holder.is_alive() and _take_back(lock, holder, me):
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _timeout_error([lock], timeout)
+
+
+def _take_back(lock: SectionLock, dead: threading.Thread, me: threading.Thread) -> bool:
+    """Makes ``me`` the holder of a lock whose holder thread has ended.
+
+    A thread can end while holding a lock only by leaving a section it entered by hand
+    (``locked(v).__enter__()``) open: every write it made inside was complete, so the
+    variables are consistent and the lock is handed over as it is (mutex still taken),
+    its run-time mutex released and a fresh section opened for ``me``.
+    """
+    with _TAKEOVER:
+        slot = lock._slot
+        if not slot or slot[0] is not dead:
+            return False
+        lock._token = None
+        if lock.seq & 1:
+            lock.seq += 1
+        lock.takeovers += 1
+        slot[0] = me
+        lock._depth = 0
+    return True
+
+
+def _mutex_lock(lock: SectionLock, timeout: float | None) -> Any:
+    """Takes the lock's ``tf.CriticalSection`` mutex eagerly; the tensor holds it.
+
+    A ``MutexLock`` op cannot time out. With a timeout, it runs in a helper thread and
+    is waited for with that timeout; if it does not finish in time, the helper's tensor
+    is dropped as soon as the op returns (releasing the mutex again) and
+    :class:`LockTimeoutError` is raised.
+    """
+    if timeout is None:
+        return tfi.mutex_lock(lock.cs._handle)
+    future = _mutex_pool().submit(tfi.mutex_lock, lock.cs._handle)
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        future.add_done_callback(_drop_result)
+        raise _timeout_error([lock], timeout, runtime=True) from None
+
+
+def _drop_result(future: concurrent.futures.Future[Any]) -> None:
+    future._result = None  # releases the TF mutex
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _mutex_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="safevars-mutex"
+            )
+        return _POOL
+
+
+def _timeout_error(
+    locks: Sequence[SectionLock], timeout: float | None, runtime: bool = False
+) -> LockTimeoutError:
+    for lock in () if runtime else locks:  # (runtime: the caller holds the eager lock)
+        record = lock.held_record(time.monotonic())
+        if record is not None:
+            who = (
+                f"held by thread {record.thread_name!r} (ident {record.thread_ident}"
+                f"{'' if record.thread_alive else ', ended'}) for {record.held_for:.2f}s, "
+                f"taken at {record.where}"
+            )
+            names = lock.names
+            break
+    else:
+        names = [n for lock in locks for n in lock.names]
+        who = (
+            "held by a running tf.function (a graph section holds its mutex)"
+            if runtime
+            else "released just as the wait ended"
+        )
+    return LockTimeoutError(
+        f"Timed out after {timeout}s waiting for the lock of {', '.join(map(repr, names))}: "
+        f"{who}. Nothing was changed. safevars.held_locks() lists every lock held now; "
+        "pass a longer timeout, or find why the holder does not release."
+    )
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise InvalidArgumentError(
+            f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}."
+        )
+    return float(timeout)

@@ -1,0 +1,111 @@
+"""What a debugger or a watchdog sees: a variable's lock statistics, the locks held now.
+
+:class:`LockStatistics` is the frozen record ``SafeVariable.statistics()`` returns.
+:func:`held_locks` lists every lock held right now (:class:`HeldLock`) from ``_LOCKS``,
+the set of live locks every :class:`~safevars.locking.section_lock.SectionLock` joins.
+``DUPLICATE_COUNTERS`` is where :mod:`safevars.exactly_once` registers the counters
+behind :attr:`LockStatistics.duplicates_discarded`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from safevars.locking.guard import Guard
+    from safevars.locking.section_lock import SectionLock
+
+
+_LOCKS: weakref.WeakSet[SectionLock] = weakref.WeakSet()
+
+
+class LockStatistics(NamedTuple):
+    """A frozen record of one variable's lock and version state, for debugging.
+
+    Attributes:
+      order: Position of the variable's lock in the global lock order.
+      locked: Whether some thread holds the eager lock right now.
+      owner: ``threading.get_ident()`` of that thread, or ``None``.
+      depth: How many times the holder has entered (re-entrant depth).
+      runtime_mode: Whether the lock is also a ``tf.CriticalSection`` mutex (set once a
+        variable under it was written, versioned or snapshotted in a ``tf.function``).
+      writes: Completed writes recorded eagerly since construction or restore.
+      thread_name: Name of the holding thread, or ``None``.
+      held_for: Seconds since the holder took the lock, or ``None``.
+      where: ``file:line`` where the holder took the lock, or ``None``.
+      shared_by: How many variables share this lock (1 unless :func:`share_lock`).
+      takeovers: How often a waiter took this lock back from a thread that had ended
+        while holding it.
+      duplicates_discarded: Retried parameter-server steps whose update to this variable
+        was recognised as already applied and skipped (:mod:`safevars.exactly_once`).
+    """
+
+    order: int
+    locked: bool
+    owner: int | None
+    depth: int
+    runtime_mode: bool
+    writes: int
+    thread_name: str | None = None
+    held_for: float | None = None
+    where: str | None = None
+    shared_by: int = 1
+    takeovers: int = 0
+    duplicates_discarded: int = 0
+
+
+class HeldLock(NamedTuple):
+    """One safevars lock held right now (see :func:`held_locks`).
+
+    Attributes:
+      variables: Names of the variables under the lock.
+      thread_name: Name of the holding thread.
+      thread_ident: Its ``threading.get_ident()``.
+      thread_alive: Whether that thread is still running (a lock whose holder ended is
+        taken back by the next thread that waits for it).
+      held_for: Seconds since it was taken.
+      where: ``file:line`` (outside safevars) where it was taken.
+      depth: Re-entrant depth.
+      runtime_mode: Whether the holder also holds the lock's ``tf.CriticalSection`` mutex.
+    """
+
+    variables: tuple[str, ...]
+    thread_name: str
+    thread_ident: int | None
+    thread_alive: bool
+    held_for: float
+    where: str
+    depth: int
+    runtime_mode: bool
+
+
+def held_locks() -> list[HeldLock]:
+    """Every safevars lock held right now: by which thread, since when, taken where.
+
+    Cheap enough for a watchdog or a debugger (one pass over the live locks, no lock
+    taken). Eager holders only: a running ``tf.function`` holding a run-time mutex is
+    not a thread and is not listed.
+
+    Thread safety: a consistent record per lock; locks taken or released during the
+    call may or may not appear.
+
+    Modes: eager (Python) state; call it from any thread.
+    """
+    now = time.monotonic()
+    records = [lock.held_record(now) for lock in list(_LOCKS)]
+    return sorted((r for r in records if r is not None), key=lambda r: -r.held_for)
+
+
+# Guard -> a no-argument function returning how many duplicates were discarded for it;
+# registered by safevars.exactly_once for the variables it protects.
+DUPLICATE_COUNTERS: weakref.WeakKeyDictionary[Guard, Callable[[], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _duplicates_of(guard: Guard) -> int:
+    counter = DUPLICATE_COUNTERS.get(guard)
+    return int(counter()) if counter is not None else 0
