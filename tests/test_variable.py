@@ -256,6 +256,28 @@ class TestPickle:
         clone.assign([0.0, 0.0])
         assert v.numpy().tolist() == [2.0, 3.0] and (v.version, clone.version) == (1, 2)
 
+    # A SafeVariable pickled by safevars before safevars.variable became a package (its
+    # value a list, not a NumPy array, so that the bytes do not depend on NumPy).
+    PICKLED_BEFORE_THE_SPLIT = (
+        b"\x80\x02cfunctools\npartial\nq\x00csafevars.variable\n_unpickle\nq\x01\x85q\x02Rq"
+        b"\x03(h\x01)}q\x04(X\r\x00\x00\x00initial_valueq\x05]q\x06(G@\x08\x00\x00\x00\x00"
+        b"\x00\x00G\xbf\xe0\x00\x00\x00\x00\x00\x00eX\x07\x00\x00\x00versionq\x07K\x02X\t"
+        b"\x00\x00\x00trainableq\x08\x88X\x04\x00\x00\x00nameq\tX\x0e\x00\x00\x00pickled_bef"
+        b"oreq\nX\x05\x00\x00\x00dtypeq\x0bctensorflow.python.framework.dtypes\nas_dtype\nq"
+        b"\x0cX\x07\x00\x00\x00float32q\r\x85q\x0eRq\x0fX\n\x00\x00\x00constraintq\x10NuNt"
+        b"q\x11b)Rq\x12."
+    )
+
+    def test_a_pickle_made_before_the_package_split_loads_and_new_ones_name_it_alike(self):
+        import pickle
+
+        v = pickle.loads(self.PICKLED_BEFORE_THE_SPLIT)
+        assert isinstance(v, SafeVariable) and v.version == 2
+        assert v.numpy().tolist() == [3.0, -0.5] and v.name == "pickled_before:0"
+        assert v.trainable and v.dtype == tf.float32
+        # A pickle made now names the same function, so older releases load it too.
+        assert b"csafevars.variable\n_unpickle\n" in pickle.dumps(v, protocol=2)
+
     def test_plain_variables_pickle_the_same_way(self):
         import pickle
 
