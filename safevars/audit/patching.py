@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from safevars import locking, sections
-from safevars import variable as variable_module
 from safevars._tf_internal import concrete_function, critical_section_ops, resource_variable_ops
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK
@@ -28,6 +27,7 @@ from safevars.audit.recording import (
     _writer,
 )
 from safevars.audit.tf_function import _call_wrapper, _to_tensors_wrapper
+from safevars.variable import writes as variable_writes
 
 
 def _variable_classes() -> list[type]:
@@ -76,7 +76,7 @@ _WRAPPERS: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
 
 def _install() -> None:
-    variable_module._direct_kernel_writes = False  # SafeVariable writes via the methods.
+    variable_writes._direct_kernel_writes = False  # SafeVariable writes via the methods.
     for owner, name, factory in _patch_targets():
         original = owner.__dict__[name]
         cached = _WRAPPERS.get((owner, name))
@@ -90,7 +90,7 @@ def _uninstall() -> None:
     while _ORIGINALS:
         owner, name, original = _ORIGINALS.pop()
         setattr(owner, name, original)
-    variable_module._direct_kernel_writes = True
+    variable_writes._direct_kernel_writes = True
 
 
 _INSTALL_LOCK = threading.Lock()
