@@ -1174,3 +1174,21 @@ class TestMirroredStrategy:
             mirrored_strategy.run(
                 tf.function(lambda: opt.apply_gradients([(tf.ones([4, 3]), v)]), autograph=False)
             )
+
+
+def test_serialized_names_are_stable():
+    """What .keras files, configs and pickles record must not move with the code."""
+    opt = SafeOptimizer(keras.optimizers.Adam(0.01), max_staleness=3)
+    saved = keras.saving.serialize_keras_object(opt)
+    assert (saved["module"], saved["class_name"], saved["registered_name"]) == (
+        "safevars.optimizer",
+        "Adam",
+        "safevars>SafeOptimizer",
+    )
+    assert saved["config"]["safevars"]["optimizer"] == {
+        "class_name": "Adam",
+        "module": "keras.optimizers",
+        "registered_name": None,
+    }
+    assert type(opt).__module__ == SafeOptimizer.__module__ == "safevars.optimizer"
+    assert type(opt).__qualname__ == "SafeOptimizer[Adam]"
