@@ -124,7 +124,8 @@ Where things live
   and the stream chosen at run time (a replica id or worker known only when the graph
   runs).
 * ``distributions.py``: normal, truncated normal, uniform, integers and seeds, built on
-  one ``_generate`` shared by both kinds of stream.
+  one ``_generate``: the methods of :class:`ReplicaStream`, the stream chosen at run
+  time and :class:`ReplicaRNG` (the calling replica's stream).
 * ``kernels.py``: the Philox kernels: fused stateful kernels, ``RngReadAndSkip`` and the
   stateless ``*V2`` kernels, and when a draw uses which.
 * ``seed_derivation.py``: the SeedSequence every key and seed comes from (domains, user

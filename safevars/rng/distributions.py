@@ -1,9 +1,11 @@
 """The distributions of a draw (normal, truncated normal, uniform, integers, seeds).
 
 :class:`_Draws` builds every distribution on one method, ``_generate(kernels, shape)``
-(:mod:`.kernels`), so a stream (:class:`~safevars.ReplicaStream`) and a stream chosen
-at run time (``_SelectedStream``) draw bitwise the same values for the same key and
-counter.
+(:mod:`.kernels`), so a stream (:class:`~safevars.ReplicaStream`), a stream chosen
+at run time (``_SelectedStream``) and the calling replica's stream
+(:class:`~safevars.ReplicaRNG`, whose ``_generate`` selects the stream, then draws from
+it) draw bitwise the same values for the same key and counter, with one set of
+argument checks and one public signature per distribution.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from safevars.rng.kernels import (
 
 class _Draws:
     """The distributions, built on ``_generate``: shared by one stream
-    (:class:`ReplicaStream`) and a stream chosen at run time (:class:`_SelectedStream`),
-    so both draw bitwise the same values for the same key and counter."""
+    (:class:`ReplicaStream`), a stream chosen at run time (:class:`_SelectedStream`) and
+    the calling replica's stream (:class:`ReplicaRNG`), so all draw bitwise the same
+    values for the same key and counter.
+
+    Every public method checks its arguments, then calls ``_generate`` exactly once.
+    """
 
     def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
+        """Draws ``shape`` values with ``kernels`` and advances the stream's counter."""
         raise NotImplementedError
 
     def normal(
@@ -54,21 +61,34 @@ class _Draws:
           A tensor of ``shape`` and ``dtype``.
 
         Raises:
-          InvalidArgumentError: ``dtype`` is not floating point (nothing is drawn).
+          InvalidArgumentError: ``dtype`` is not floating point; or, from a
+            :class:`ReplicaRNG`, the calling replica has no stream (as
+            :meth:`ReplicaRNG.current_stream`). Nothing is drawn.
+          UnsupportedStrategyError: from a :class:`ReplicaRNG`: the current strategy is
+            not supported, or is not the kind the RNG was created under
+            (``ParameterServerStrategy`` or not); or an eager call on a
+            ``ParameterServerStrategy`` coordinator. Nothing is drawn.
 
         Thread safety: the read and advance of the counter and the draw are one kernel
-          under the state variable's mutex: concurrent draws never overlap.
+          under the state variable's mutex: concurrent draws never overlap. From a
+          :class:`ReplicaRNG`, under ``MirroredStrategy`` every replica thread advances
+          only its own stream; under ``ParameterServerStrategy`` concurrent workers
+          advance their own counters on the parameter server.
 
         Modes: eagerly the draw runs at once; in a ``tf.function`` it runs each time the
-          function runs (tracing draws nothing). Under ``tf.distribute`` it uses this
-          stream whatever replica or worker calls it (a stream of
-          :meth:`ReplicaRNG.for_worker` lives on a parameter server, reachable from the
-          coordinator and every worker).
+          function runs (tracing draws nothing). Under ``tf.distribute``, a
+          :class:`ReplicaStream` draws from itself whatever replica or worker calls it (a
+          stream of :meth:`ReplicaRNG.for_worker` lives on a parameter server, reachable
+          from the coordinator and every worker). A :class:`ReplicaRNG` draws from the
+          calling replica's stream: inside ``strategy.run`` the replica comes from
+          ``tf.distribute.get_replica_context()`` (a run-time replica id selects the
+          stream with ``tf.switch_case``), elsewhere it is replica 0. Under
+          ``ParameterServerStrategy`` it draws only in a ``tf.function`` run by
+          ``ClusterCoordinator.schedule``: from the stream of the worker the coordinator
+          runs the function on, bound at each call (the values are computed on that
+          worker).
         """
-        dtype = _float_dtype(dtype)
-        with tf.name_scope(name or "normal"):
-            rnd = self._generate(_NORMAL, shape, dtype=dtype)
-            return _affine(rnd, stddev, mean, dtype)
+        return self._standard_draw(_NORMAL, "normal", shape, mean, stddev, dtype, name)
 
     def truncated_normal(
         self,
@@ -91,15 +111,31 @@ class _Draws:
           A tensor of ``shape`` and ``dtype`` with values in ``mean ± 2·stddev``.
 
         Raises:
-          InvalidArgumentError: ``dtype`` is not floating point (nothing is drawn).
+          InvalidArgumentError: ``dtype`` is not floating point, or as :meth:`normal`.
+          UnsupportedStrategyError: as :meth:`normal`.
 
         Thread safety: as :meth:`normal`.
 
         Modes: as :meth:`normal`.
         """
+        return self._standard_draw(
+            _TRUNCATED_NORMAL, "truncated_normal", shape, mean, stddev, dtype, name
+        )
+
+    def _standard_draw(
+        self,
+        kernels: _Kernels,
+        default_name: str,
+        shape: Any,
+        mean: Any,
+        stddev: Any,
+        dtype: Any,
+        name: str | None,
+    ) -> tf.Tensor:
+        """A standard (normal or truncated normal) draw, then ``* stddev + mean``."""
         dtype = _float_dtype(dtype)
-        with tf.name_scope(name or "truncated_normal"):
-            rnd = self._generate(_TRUNCATED_NORMAL, shape, dtype=dtype)
+        with tf.name_scope(name or default_name):
+            rnd = self._generate(kernels, shape, dtype=dtype)
             return _affine(rnd, stddev, mean, dtype)
 
     def uniform(
@@ -125,8 +161,9 @@ class _Draws:
 
         Raises:
           InvalidArgumentError: an integer dtype with only one bound, a floating dtype
-            with ``minval=None``, or Python bounds with ``minval >= maxval`` (nothing is
-            drawn).
+            with ``minval=None``, or Python bounds with ``minval >= maxval``; or as
+            :meth:`normal`. Nothing is drawn.
+          UnsupportedStrategyError: as :meth:`normal`.
 
         Thread safety: as :meth:`normal`.
 
@@ -182,7 +219,8 @@ class _Draws:
 
         Raises:
           InvalidArgumentError: ``dtype`` is not int32/int64, or Python bounds with
-            ``minval >= maxval`` (nothing is drawn).
+            ``minval >= maxval``; or as :meth:`normal`. Nothing is drawn.
+          UnsupportedStrategyError: as :meth:`normal`.
 
         Thread safety: as :meth:`normal`.
 
@@ -221,7 +259,9 @@ class _Draws:
           ``tf.random.Generator.make_seeds``).
 
         Raises:
-          InvalidArgumentError: ``count`` is not a positive int (nothing is drawn).
+          InvalidArgumentError: ``count`` is not a positive int, or as :meth:`normal`.
+            Nothing is drawn.
+          UnsupportedStrategyError: as :meth:`normal`.
 
         Thread safety: as :meth:`normal`.
 
@@ -232,6 +272,10 @@ class _Draws:
 
     def make_seed(self) -> tf.Tensor:
         """Draws one seed for a stateless op: an int64 tensor of shape ``[2]``.
+
+        Raises:
+          InvalidArgumentError: as :meth:`normal`.
+          UnsupportedStrategyError: as :meth:`normal`.
 
         Thread safety: as :meth:`normal`.
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError
+from safevars.rng.distributions import _Draws
 
 if TYPE_CHECKING:
     import keras
@@ -28,15 +29,14 @@ if TYPE_CHECKING:
 _PUBLIC_MODULE = "safevars.rng"
 
 
-class _KerasSeedGenerators:
+class _KerasSeedGenerators(_Draws):
     """Keras seed generators of :class:`~safevars.ReplicaRNG` (a mixin; no state of its own).
 
-    ``ReplicaRNG`` provides what the ``TYPE_CHECKING`` block declares.
+    Their seeds are the draws' :meth:`make_seed`; ``ReplicaRNG`` provides what the
+    ``TYPE_CHECKING`` block declares.
     """
 
     if TYPE_CHECKING:
-
-        def make_seed(self) -> tf.Tensor: ...
 
         def _pure(self, replica_id: int | None) -> _PureSeeds: ...
 

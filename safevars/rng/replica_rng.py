@@ -3,8 +3,8 @@
 The class: its docstring, the constructor (argument checks, worker identity, one
 :class:`~safevars.ReplicaStream` per replica, or per worker and replica on the parameter
 servers), its identity, choosing a stream (by replica id, by worker, or the calling
-replica's under the current strategy) and the draws on the current replica's stream.
-The pure seeds, the Keras seed generators and the parameter-server binding of a
+replica's under the current strategy) and the draws on the current replica's stream
+(the distributions are a stream's, :mod:`.distributions`). The pure seeds, the Keras seed generators and the parameter-server binding of a
 scheduled draw are mixins (:mod:`.pure_seeds`, :mod:`.keras_seed_generator`,
 :mod:`.placement`); the semantics are described in the docstring of :mod:`safevars.rng`.
 """
@@ -24,6 +24,7 @@ from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.rng.arguments import _check_seed, _check_worker
 from safevars.rng.distributions import _Draws
 from safevars.rng.keras_seed_generator import _KerasSeedGenerators
+from safevars.rng.kernels import _Kernels
 from safevars.rng.placement import _ExecutingWorkerStreams, _parameter_server_tasks, _ps_device
 from safevars.rng.pure_seeds import _ReplicaPureSeeds
 from safevars.rng.replica_stream import ReplicaStream, _SelectedStream
@@ -32,7 +33,9 @@ from safevars.rng.strategies import _COORDINATOR, _SUPPORTED_USES, _detect_worke
 __all__ = ["ReplicaRNG"]
 
 
-class ReplicaRNG(_ReplicaPureSeeds, _KerasSeedGenerators, _ExecutingWorkerStreams, tf.Module):
+class ReplicaRNG(
+    _ReplicaPureSeeds, _KerasSeedGenerators, _ExecutingWorkerStreams, _Draws, tf.Module
+):
     """One seed, an independent reproducible random stream per replica and worker.
 
     ``ReplicaRNG(seed)`` creates one :class:`ReplicaStream` per replica. Created inside
@@ -326,95 +329,7 @@ class ReplicaRNG(_ReplicaPureSeeds, _KerasSeedGenerators, _ExecutingWorkerStream
 
     # -- draws on the current replica's stream -----------------------------------------
 
-    def normal(
-        self,
-        shape: Any,
-        mean: Any = 0.0,
-        stddev: Any = 1.0,
-        dtype: Any = tf.float32,
-        name: str | None = None,
-    ) -> tf.Tensor:
-        """:meth:`ReplicaStream.normal` on the current replica's stream.
-
-        Raises:
-          InvalidArgumentError: as :meth:`current_stream`, or a bad ``dtype``.
-          UnsupportedStrategyError: the current strategy is not supported, or is not the
-            kind the RNG was created under (``ParameterServerStrategy`` or not); or an
-            eager call on a ``ParameterServerStrategy`` coordinator.
-
-        Thread safety: as :meth:`ReplicaStream.normal`; under ``MirroredStrategy`` every
-          replica thread advances only its own stream; under ``ParameterServerStrategy``
-          concurrent workers advance their own counters on the parameter server.
-
-        Modes: eager and ``tf.function``; inside ``strategy.run`` the replica comes from
-          ``tf.distribute.get_replica_context()`` (a run-time replica id selects the
-          stream with ``tf.switch_case``). Under ``ParameterServerStrategy``, only in a
-          ``tf.function`` run by ``ClusterCoordinator.schedule``: the stream of the
-          worker the coordinator runs the function on, bound at each call (the values
-          are computed on that worker).
-        """
-        return self._select().normal(shape, mean, stddev, dtype, name)
-
-    def truncated_normal(
-        self,
-        shape: Any,
-        mean: Any = 0.0,
-        stddev: Any = 1.0,
-        dtype: Any = tf.float32,
-        name: str | None = None,
-    ) -> tf.Tensor:
-        """:meth:`ReplicaStream.truncated_normal` on the current replica's stream.
-
-        Thread safety: as :meth:`normal`.
-
-        Modes: as :meth:`normal`.
-        """
-        return self._select().truncated_normal(shape, mean, stddev, dtype, name)
-
-    def uniform(
-        self,
-        shape: Any,
-        minval: Any = 0,
-        maxval: Any = None,
-        dtype: Any = tf.float32,
-        name: str | None = None,
-    ) -> tf.Tensor:
-        """:meth:`ReplicaStream.uniform` on the current replica's stream.
-
-        Thread safety: as :meth:`normal`.
-
-        Modes: as :meth:`normal`.
-        """
-        return self._select().uniform(shape, minval, maxval, dtype, name)
-
-    def uniform_int(
-        self, shape: Any, minval: Any, maxval: Any, dtype: Any = tf.int64, name: str | None = None
-    ) -> tf.Tensor:
-        """:meth:`ReplicaStream.uniform_int` on the current replica's stream.
-
-        Thread safety: as :meth:`normal`.
-
-        Modes: as :meth:`normal`.
-        """
-        return self._select().uniform_int(shape, minval, maxval, dtype, name)
-
-    integers = uniform_int
-
-    def make_seeds(self, count: int = 1) -> tf.Tensor:
-        """:meth:`ReplicaStream.make_seeds` on the current replica's stream.
-
-        Thread safety: as :meth:`normal`.
-
-        Modes: as :meth:`normal`.
-        """
-        count = check_int(count, "count", 1, fix="Ask for at least one seed.")
-        return self._select().make_seeds(count)
-
-    def make_seed(self) -> tf.Tensor:
-        """:meth:`ReplicaStream.make_seed` on the current replica's stream.
-
-        Thread safety: as :meth:`normal`.
-
-        Modes: as :meth:`normal`.
-        """
-        return self._select().make_seed()
+    def _generate(self, kernels: _Kernels, shape: Any, **kwargs: Any) -> tf.Tensor:
+        """The draws of :class:`_Draws` (:meth:`normal`, ...) on the calling context's
+        stream, chosen (and the strategy checked) once the draw's arguments are."""
+        return self._select()._generate(kernels, shape, **kwargs)
