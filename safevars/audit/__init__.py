@@ -129,22 +129,15 @@ Where things live
 * ``active.py``: the audits active now and the state they share.
 """
 
+from safevars.audit import report
 from safevars.audit.context_manager import audit
-from safevars.audit.report import (
-    CONCURRENT_WRITE,
-    LOST_UPDATE,
-    OBSERVED,
-    PREDICTED,
-    AuditReport,
-    Race,
-)
+from safevars.audit.report import CONCURRENT_WRITE as CONCURRENT_WRITE
+from safevars.audit.report import LOST_UPDATE as LOST_UPDATE
+from safevars.audit.report import OBSERVED as OBSERVED
+from safevars.audit.report import PREDICTED as PREDICTED
+from safevars.audit.report import AuditReport as AuditReport
+from safevars.audit.report import Race as Race
 
-__all__ = [
-    "CONCURRENT_WRITE",
-    "LOST_UPDATE",
-    "OBSERVED",
-    "PREDICTED",
-    "AuditReport",
-    "Race",
-    "audit",
-]
+# The records and race kinds: report.py's public names (one list, kept there).
+__all__ = ["audit"]
+__all__ += report.__all__

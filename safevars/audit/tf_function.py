@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from safevars._tf_internal import eager_context_module as context
 from safevars._tf_internal import func_graph_module, ops, resource_variable_ops
@@ -23,30 +23,18 @@ from safevars.audit.active import _DETECT_LOCK
 from safevars.audit.happens_before import _SECTION_IDS, _SEQ, _Access, _eager_protection
 
 
-class _Traced:
-    """One access recorded while tracing a function, replayed at each call."""
+class _Traced(NamedTuple):
+    """One access recorded while tracing a function, replayed at each call. Immutable."""
 
-    __slots__ = ("kind", "var", "name", "site", "locks", "sections", "family", "position")
-
-    def __init__(
-        self,
-        kind: int,
-        var: Any,
-        name: str | None,
-        site: str,
-        locks: frozenset[Any],
-        sections: frozenset[Any],
-        family: str | None,
-        position: int | None = None,
-    ) -> None:
-        self.position = position
-        self.kind = kind
-        self.var = var
-        self.name = name
-        self.site = site
-        self.locks = locks
-        self.sections = sections
-        self.family = family
+    kind: int
+    var: Any
+    name: str | None
+    site: str
+    locks: frozenset[Any]
+    sections: frozenset[Any]
+    family: str | None
+    # Index of the graph input that carries ``var`` (None: resolved at the first call).
+    position: int | None = None
 
 
 class _Summary:
@@ -127,16 +115,9 @@ def _merge_nested(function: Any) -> None:
         if outer is None:
             outer = _SUMMARIES[top] = _Summary(top.name)
         for t in list(inner.accesses):
+            # The caller's graph has other inputs: its position is resolved at its calls.
             outer.accesses.append(
-                _Traced(
-                    t.kind,
-                    t.var,
-                    t.name,
-                    t.site,
-                    t.locks | extra_locks,
-                    t.sections | extra,
-                    t.family,
-                )
+                t._replace(locks=t.locks | extra_locks, sections=t.sections | extra, position=None)
             )
 
 
