@@ -9,31 +9,20 @@ reference computed in another process.
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import json
 
 from loopback import set_tf_config  # same directory
+from script_common import parse, parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("index", type=int)
-    parser.add_argument("ports")
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument(
-        "--dump-after",
-        type=float,
-        default=0.0,
-        help="print every thread's stack and exit after this many seconds",
-    )
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    if args.dump_after > 0:  # A hang shows where it hangs instead of only timing out.
-        faulthandler.dump_traceback_later(args.dump_after, exit=True)
+    arguments = parser(worker=True, seed=True)
+    arguments.add_argument("--steps", type=int, default=3)
+    args = parse(arguments)
     set_tf_config(args.index, args.ports)
     import tensorflow as tf
-    from accumulator_ps import hard_contributions, hexes  # same directory
+    from accumulator_ps import hard_contributions  # same directory
+    from script_common import hexes
     from tensorflow.python.distribute import values as ds_values
 
     from safevars.accumulator import GradientAccumulator

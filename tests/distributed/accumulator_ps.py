@@ -11,8 +11,6 @@ reference computed in another process.
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import json
 import os
 import random
@@ -25,7 +23,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from safevars.accumulator import GradientAccumulator  # noqa: E402
-from safevars.errors import SafeVarsError  # noqa: E402
 from safevars.local_cluster import start_in_process_cluster  # noqa: E402
 
 SIZE = 6  # Elements per contribution (two variables: [2, 2] and [2]).
@@ -52,34 +49,17 @@ def counted_contributions(count: int) -> np.ndarray:
     return rows
 
 
-def hexes(tensors) -> list[str]:
-    return [np.asarray(t).tobytes().hex() for t in tensors]
-
-
-def error_of(call) -> str:
-    try:
-        call()
-    except SafeVarsError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument(
-        "--dump-after",
-        type=float,
-        default=0.0,
-        help="print every thread's stack and exit after this many seconds",
-    )
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--ps", type=int, default=2)
-    parser.add_argument("--count", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=40)
-    args = parser.parse_args()
-    if args.dump_after > 0:  # A hang shows where it hangs instead of only timing out.
-        faulthandler.dump_traceback_later(args.dump_after, exit=True)
+    # Run as a script (tests/distributed on sys.path); the test module imports this file
+    # as distributed.accumulator_ps for the contributions above only.
+    from script_common import error_of, hexes, parse, parser
+
+    arguments = parser(seed=True)
+    arguments.add_argument("--workers", type=int, default=3)
+    arguments.add_argument("--ps", type=int, default=2)
+    arguments.add_argument("--count", type=int, default=48)
+    arguments.add_argument("--rounds", type=int, default=40)
+    args = parse(arguments)
     workers, count, rounds = args.workers, args.count, args.rounds
     assert count % workers == 0
 

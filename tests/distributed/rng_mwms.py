@@ -9,19 +9,16 @@ reference computed in another process.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from loopback import set_tf_config  # same directory
+from script_common import parse, parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("index", type=int)
-    parser.add_argument("ports")
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    arguments = parser(worker=True, seed=True)
+    arguments.add_argument("--steps", type=int, default=3)
+    args = parse(arguments)
     set_tf_config(args.index, args.ports)
     import numpy as np
     import tensorflow as tf

@@ -16,29 +16,16 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from script_common import error_of, hexes  # noqa: E402
 
-from safevars.errors import SafeVarsError  # noqa: E402
 from safevars.local_cluster import start_in_process_cluster  # noqa: E402
 from safevars.rng import ReplicaRNG  # noqa: E402
-
-
-def hexes(tensors) -> list[str]:
-    return [np.asarray(t).tobytes().hex() for t in tensors]
 
 
 def step_draws(rng: ReplicaRNG) -> list[tf.Tensor]:
     """The fixed sequence of draws of one step (tests/test_rng_distributed.py mirrors it)."""
     return [rng.normal([4]), rng.uniform_int([3], 0, 1_000_000), rng.make_seed()]
-
-
-def error_of(call) -> str:
-    try:
-        call()
-    except SafeVarsError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def main() -> None:
