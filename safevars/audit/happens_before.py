@@ -12,6 +12,7 @@ or predicted. The detection rule is stated in the package docstring
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -116,28 +117,28 @@ class _Session:
 # ---------------------------------------------------------------------- accesses
 
 
+@dataclasses.dataclass(slots=True, eq=False)  # identity equality: ``var`` may be a tensor
 class _Access:
     """One recorded read or write (eager, or replayed from a traced function)."""
 
-    __slots__ = (
-        "kind",
-        "var",
-        "name",
-        "site",
-        "tid",
-        "tname",
-        "clock",
-        "vc",
-        "begin",
-        "end",
-        "locks",
-        "sections",
-        "family",
-        "context",
-    )
+    kind: int
+    var: Any
+    name: str | None
+    site: str
+    tid: int
+    tname: str
+    clock: int
+    vc: dict[int, int]
+    begin: int
+    end: int
+    locks: frozenset[Any]
+    sections: frozenset[Any]
+    family: str | None
+    context: str
 
-    def __init__(
-        self,
+    @classmethod
+    def record(
+        cls,
         kind: int,
         var: Any,
         name: str | None,
@@ -149,21 +150,24 @@ class _Access:
         sections: frozenset[Any],
         family: str | None,
         context_name: str,
-    ) -> None:
-        self.kind = kind
-        self.var = var
-        self.name = name
-        self.site = site
-        self.tid = state.tid
-        self.tname = state.name
-        self.vc = state.vc
-        self.clock = state.vc[state.tid]
-        self.begin = begin
-        self.end = end
-        self.locks = locks
-        self.sections = sections
-        self.family = family
-        self.context = context_name
+    ) -> _Access:
+        """The access ``state``'s thread makes now (its clock and vector clock)."""
+        return cls(
+            kind,
+            var,
+            name,
+            site,
+            state.tid,
+            state.name,
+            state.vc[state.tid],
+            state.vc,
+            begin,
+            end,
+            locks,
+            sections,
+            family,
+            context_name,
+        )
 
 
 def _happens_before(access: _Access, vc: dict[int, int]) -> bool:

@@ -101,7 +101,11 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
     if context.executing_eagerly():
         locks, sections = _eager_protection(state)
         _deliver(
-            [_Access(kind, key, name, site, state, begin, end, locks, sections, family, "eager")]
+            [
+                _Access.record(
+                    kind, key, name, site, state, begin, end, locks, sections, family, "eager"
+                )
+            ]
         )
         return
     top = _top_func_graph()

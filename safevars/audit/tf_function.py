@@ -158,7 +158,7 @@ def _replay(function: Any, inputs: list[Any], begin: int) -> None:
                 name = session.name_of(key) or f"argument of {summary.name!r}"
             session.register(handle, name)
         accesses.append(
-            _Access(
+            _Access.record(
                 t.kind,
                 key,
                 name,

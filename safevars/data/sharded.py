@@ -233,10 +233,12 @@ class ShardedInput(tf.Module):
 
     @property
     def num_workers(self) -> int:
+        """The workers the elements are sharded over."""
         return self._layout.num_workers
 
     @property
     def replicas_per_worker(self) -> int:
+        """Replicas on each worker; each replica reads a shard of its own."""
         return self._layout.replicas_per_worker
 
     @property
@@ -246,10 +248,15 @@ class ShardedInput(tf.Module):
 
     @property
     def remainder(self) -> str:
+        """What happens to the elements an even split leaves over.
+
+        ``"spread"``, ``"drop"`` or ``"pad"``.
+        """
         return self._layout.remainder
 
     @property
     def seed(self) -> int:
+        """The seed of each epoch's order (used with ``shuffle=True``)."""
         return self._layout.seed
 
     def __repr__(self) -> str:
