@@ -17,11 +17,11 @@ import re
 import subprocess
 import sys
 import threading
+import tomllib
 import types
 
 import pytest
 import threading_harness
-import tomllib
 from threading_harness import call_bounded, join_all, run_threads
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

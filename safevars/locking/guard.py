@@ -170,7 +170,7 @@ class Guard:
         steps = ((tfi.fast_execute, ctx, op_name, None, *inputs, *attrs), count)
         stats = (setattr, self, "_writes", self._writes + writes)
         try:
-            _consume(itertools.starmap(operator.call, (*steps, stats)))  # type: ignore[attr-defined]  # operator.call: Python 3.11+
+            _consume(itertools.starmap(operator.call, (*steps, stats)))
         except tfi.NotOkStatusException as e:
             tfi.raise_from_not_ok_status(e, None)
         except tfi.FallbackException:
