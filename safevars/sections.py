@@ -232,10 +232,18 @@ def _traced_section(
                 with tfi.colocate_with(lock.cs._handle):
                     released.append(tfi.consume_mutex_lock(token))
         with tf.control_dependencies(released):
-            leaves = [
-                tf.identity(x) if isinstance(x, tf.Tensor) else x for x in tf.nest.flatten(result)
-            ]
+            leaves = [_after_release(x) for x in tf.nest.flatten(result)]
     return tf.nest.pack_sequence_as(result, leaves)
+
+
+def _after_release(x: Any) -> Any:
+    """``x`` as seen after the section's release (built under its control dependency):
+    a tensor through an identity, an op (a write with ``read_value=False``) as a no-op."""
+    if isinstance(x, tf.Tensor):
+        return tf.identity(x)
+    if isinstance(x, tf.Operation):
+        return tf.no_op()
+    return x
 
 
 def _section_device(ordered: list[SectionLock]) -> str | None:

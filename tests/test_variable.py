@@ -68,6 +68,30 @@ class TestWritesAndVersions:
         assert v.version == 2
         assert v.assign(0.0, read_value=False) is None
 
+    @pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+    def test_graph_write_without_read_value_returns_an_op_ordered_after_the_release(self, method):
+        """As plain TensorFlow: an op, and no read of the variable (a read made the next
+        write of a large variable copy its buffer); what depends on the op sees the write
+        and its version."""
+        v = SafeVariable(1.0)
+
+        @tf.function(autograph=False)
+        def write_then_look():
+            op = getattr(v, method)(2.0, read_value=False)
+            assert isinstance(op, tf.Operation)
+            with tf.control_dependencies([op]):
+                return v.read_value(), v.snapshot().version
+
+        value, version = write_then_look()
+        expected = {"assign": 2.0, "assign_add": 3.0, "assign_sub": -1.0}[method]
+        assert float(value) == expected and int(version) == 1 == v.version
+        reads = [
+            op.type
+            for op in write_then_look.get_concrete_function().graph.get_operations()
+            if op.type == "ReadVariableOp"
+        ]
+        assert len(reads) == 3  # the caller's read and the snapshot's value and version
+
     def test_wrap_shares_storage_and_guard(self):
         plain = tf.Variable(1.0)
         a, b = safevars.wrap(plain), safevars.wrap(plain)

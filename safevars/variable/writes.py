@@ -11,6 +11,7 @@ counted by the same C call chain (:meth:`~safevars.locking.Guard.write_counted`)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -89,13 +90,16 @@ class _Writes(_SafeVariableFields):
             return self if read_value else result
         writes = held_in_graph(guard)
         if writes is not None:
-            return self._graph_write_body(op, writes)
-        out = graph_section([guard], lambda: self._graph_write_body(op, None), after)
-        return out if read_value else out.op
+            return self._graph_write_body(op, writes, read=read_value)
+        body = functools.partial(self._graph_write_body, op, None, read=read_value)
+        return graph_section([guard], body, after)
 
     def _graph_write_body(
-        self, op: Callable[[], Any], writes: list[Any] | None, count: int = 1
+        self, op: Callable[[], Any], writes: list[Any] | None, count: int = 1, read: bool = True
     ) -> Any:
+        """The write, its version count and (``read``) the value written, traced in the
+        section: with ``read=False`` it returns the count's op and reads nothing (a read
+        would also make the next write of a large variable copy its buffer)."""
         with tf.control_dependencies(_earlier_ops()):
             written = op()
         written = written.op if isinstance(written, tf.Tensor) else written
@@ -104,6 +108,8 @@ class _Writes(_SafeVariableFields):
         bumped = guard.bump_graph(written, count) if count else written
         if writes is not None:
             writes.append(bumped)
+        if not read:
+            return bumped
         with tf.control_dependencies([bumped]):
             return self.__wrapped__.read_value()
 
@@ -370,6 +376,7 @@ class _Writes(_SafeVariableFields):
                     lambda: wrapped.assign(results[-1], read_value=False),
                     held_in_graph(guard),
                     count=len(fns),
+                    read=False,
                 )
             with tf.control_dependencies([written]):
                 return [tf.identity(r) for r in results]
@@ -430,7 +437,9 @@ class _Writes(_SafeVariableFields):
             current = guard.version_var.read_value()
 
             def write() -> tf.Tensor:
-                self._graph_write_body(lambda: wrapped.assign(tensor, read_value=False), None)
+                self._graph_write_body(
+                    lambda: wrapped.assign(tensor, read_value=False), None, read=False
+                )
                 return tf.constant(True)
 
             return tf.cond(tf.equal(current, expected), write, lambda: tf.constant(False))
