@@ -10,28 +10,18 @@ update during the test: a single increment per thread is enough to catch it.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import tensorflow as tf
-from _quiet import VERBOSE_ENV, startup_noise
+from _smoke import run_example
 
 import safevars
 from safevars.audit import audit
 from safevars.errors import RaceDetectedError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
-ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
-}
 JOIN_TIMEOUT = 120.0
 
 
@@ -90,23 +80,7 @@ def test_locked_increment_passes():
 
 
 def test_audit_demo_runs_and_reports_the_race():
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "audit_demo.py"),
-            "--threads",
-            "3",
-            "--iterations",
-            "5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env=ENV,
-    )
-    out = done.stdout
-    assert startup_noise(done.stderr) == [], done.stderr
+    out = run_example("audit_demo.py", "--threads", "3", "--iterations", "5")
     plain, fixed = out.split("--- SafeVariable.update")
     assert "1 race(s) found" in plain and "lost update on 'counter:0'" in plain, out
     assert re.search(r"read\s+\S*audit_demo\.py:\d+\s+`value = counter\.read_value\(\)", plain)

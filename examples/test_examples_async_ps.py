@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-from _quiet import VERBOSE_ENV, startup_noise
+from _smoke import run_example
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
-ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
-}
 ROW = re.compile(
     r"^(plain|safevars.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s+(\d+)\s+([\d.]+)$", re.M
 )
@@ -24,23 +14,7 @@ BATCH = 64
 
 def test_async_ps_training_safevars_loses_nothing():
     steps = 45
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "async_ps_training.py"),
-            "--workers",
-            "3",
-            "--steps",
-            str(steps),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        env=ENV,
-    )
-    out = done.stdout
-    assert startup_noise(done.stderr) == [], done.stderr
+    out = run_example("async_ps_training.py", "--workers", "3", "--steps", str(steps), timeout=120)
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {"plain", "safevars", "safevars max_staleness=0"}, out
     scheduled, iterations, dropped, lost, examples, loss = rows["safevars"]

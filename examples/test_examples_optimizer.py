@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-from _quiet import VERBOSE_ENV, startup_noise
+from _smoke import run_example
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
-ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
-}
 ROW = re.compile(
     r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(-?\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", re.M
 )
@@ -23,23 +13,7 @@ ROW = re.compile(
 
 def test_hogwild_sgd_safe_optimizer_loses_nothing():
     threads, steps = 4, 40
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "hogwild_sgd.py"),
-            "--threads",
-            str(threads),
-            "--steps",
-            str(steps),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env=ENV,
-    )
-    out = done.stdout
-    assert startup_noise(done.stderr) == [], done.stderr
+    out = run_example("hogwild_sgd.py", "--threads", str(threads), "--steps", str(steps))
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {
         "plain SGD(momentum)",

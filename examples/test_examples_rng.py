@@ -7,15 +7,9 @@ import re
 import subprocess
 import sys
 
-from _quiet import VERBOSE_ENV, startup_noise
+from _quiet import startup_noise
+from _smoke import ENV, HERE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The default: no TF_CPP_MIN_LOG_LEVEL, not verbose (TensorFlow's start-up log is hidden).
-ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if k not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", VERBOSE_ENV)
-}
 TIMEOUT = 300
 
 CHECKS = [
