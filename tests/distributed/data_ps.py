@@ -30,7 +30,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from loopback import ps_spec, serve  # noqa: E402  (same directory)
+from loopback import ps_spec, serve, start_servers  # noqa: E402  (same directory)
 
 WORKERS = 3
 WAIT_SECONDS = 60.0  # Bound on every wait for the cluster (a failure, not a timing check).
@@ -79,18 +79,7 @@ def run(args: argparse.Namespace, spec: dict, processes: list) -> None:
     from safevars.data import ShardedInput
     from safevars.errors import SafeVarsError
 
-    cluster = tf.train.ClusterSpec(spec)
-    worker_config = tf.compat.v1.ConfigProto()
-    worker_config.inter_op_parallelism_threads = WORKERS + 1
-    for job, index in (("worker", 0), ("worker", 2), ("ps", 0)):
-        tf.distribute.Server(
-            cluster,
-            job_name=job,
-            task_index=index,
-            protocol="grpc",
-            config=worker_config if job == "worker" else None,
-            start=True,
-        )
+    cluster = start_servers(spec, [("worker", 0), ("worker", 2), ("ps", 0)], WORKERS + 1)
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
     )

@@ -47,7 +47,7 @@ import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from loopback import ps_spec, serve  # noqa: E402  (same directory)
+from loopback import ps_spec, serve, start_servers  # noqa: E402  (same directory)
 
 WORKERS = 3
 KILLABLE = (1, 2)
@@ -141,18 +141,7 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     import safevars
     from safevars import exactly_once
 
-    cluster = tf.train.ClusterSpec(spec)
-    config = tf.compat.v1.ConfigProto()
-    config.inter_op_parallelism_threads = WORKERS + 1
-    for job, index in (("worker", 0), ("ps", 0)):
-        tf.distribute.Server(
-            cluster,
-            job_name=job,
-            task_index=index,
-            protocol="grpc",
-            config=config if job == "worker" else None,
-            start=True,
-        )
+    cluster = start_servers(spec, [("worker", 0), ("ps", 0)], WORKERS + 1)
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
     )

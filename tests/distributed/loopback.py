@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 
 def set_tf_config(index: int, ports: str) -> None:
@@ -31,6 +32,29 @@ def ps_spec(workers: int) -> dict[str, list[str]]:
         "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(workers)],
         "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
     }
+
+
+def start_servers(spec: dict[str, list[str]], tasks: list[tuple[str, int]], threads: int) -> Any:
+    """Starts the in-process servers of ``tasks`` (``(job, index)``) of cluster ``spec``.
+
+    Workers get ``threads`` inter-op threads (every scheduled function and the
+    coordinator's own need one each); returns the ``tf.train.ClusterSpec``.
+    """
+    import tensorflow as tf
+
+    cluster = tf.train.ClusterSpec(spec)
+    worker_config = tf.compat.v1.ConfigProto()
+    worker_config.inter_op_parallelism_threads = threads
+    for job, index in tasks:
+        tf.distribute.Server(
+            cluster,
+            job_name=job,
+            task_index=index,
+            protocol="grpc",
+            config=worker_config if job == "worker" else None,
+            start=True,
+        )
+    return cluster
 
 
 def serve(spec: str, job: str, index: int, threads: int) -> None:

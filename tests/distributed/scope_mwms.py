@@ -13,21 +13,19 @@ and the weights as hex bytes, so the test can check the counts and compare worke
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from loopback import set_tf_config  # same directory
+from script_common import parse, parser
 
 FEATURES = 4
 PER_WORKER_BATCH = 8
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("index", type=int)
-    parser.add_argument("ports")
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
+    arguments = parser(worker=True)
+    arguments.add_argument("--steps", type=int, default=6)
+    args = parse(arguments)
     set_tf_config(args.index, args.ports)
     import keras
     import numpy as np

@@ -17,7 +17,6 @@ comparison (scheduler-dependent).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from script_common import parse, parser  # noqa: E402
 
 import safevars  # noqa: E402
 from safevars.local_cluster import start_in_process_cluster  # noqa: E402
@@ -79,10 +79,10 @@ def train(strategy, coordinator, steps: int, safe: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
+    arguments = parser()
+    arguments.add_argument("--workers", type=int, default=3)
+    arguments.add_argument("--steps", type=int, default=60)
+    args = parse(arguments)
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         start_in_process_cluster(args.workers, 1)
     )
