@@ -17,6 +17,7 @@ own resource locks for the whole compiled call.)
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
+from safevars import lock_coarsening as coarsening
 from safevars import locking
 from safevars.distribute import on_parameter_server
 from safevars.errors import LockOrderError, UnsupportedStrategyError
@@ -213,37 +215,89 @@ def _traced_section(
     inputs = [
         x for x in tf.nest.flatten(after, expand_composites=True) if isinstance(x, tf.Tensor)
     ]
+    previous = coarsening.open_section(graph)
+    joinable = not held and not compiled_call
+
+    def trace(body: Callable[[], Any]) -> Any:
+        stack.append((graph, frozenset(ordered), writes))
+        try:
+            return body()
+        finally:
+            stack.pop()
+
+    with tf.device(_section_device(ordered)):
+        if joinable and previous is not None and coarsening.can_join(graph, previous, ordered):
+            return coarsening.join(
+                graph,
+                previous,
+                fn,
+                trace,
+                lambda result, created: _own_section(
+                    graph, ordered, new, inputs, result, created, joinable
+                ),
+            )
+        locks: list[tf.Tensor] = []
+        for lock in new:
+            with tf.control_dependencies(locks[-1:] if locks else inputs):
+                locks.append(tfi.mutex_lock(lock.cs._handle))
+        before = len(graph.get_operations())
+        with tf.control_dependencies(locks):
+            result = trace(fn)
+        created = graph.get_operations()[before:]
+        return _release(graph, ordered, new, locks, result, created, joinable)
+
+
+def _own_section(
+    graph: Any,
+    ordered: list[SectionLock],
+    new: list[SectionLock],
+    inputs: list[Any],
+    result: Any,
+    created: list[Any],
+    joinable: bool,
+) -> Any:
+    """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
         locks: list[tf.Tensor] = []
         for lock in new:
             with tf.control_dependencies(locks[-1:] if locks else inputs):
                 locks.append(tfi.mutex_lock(lock.cs._handle))
-        existing = set(graph.get_operations())
-        stack.append((graph, frozenset(ordered), writes))
-        try:
-            with tf.control_dependencies(locks):
-                result = fn()
-        finally:
-            stack.pop()
-        created = [op for op in graph.get_operations() if op not in existing]
-        released = []
-        with tf.control_dependencies(created):
-            for lock, token in zip(new, locks):
-                with tfi.colocate_with(lock.cs._handle):
-                    released.append(tfi.consume_mutex_lock(token))
-        with tf.control_dependencies(released):
-            leaves = [_after_release(x) for x in tf.nest.flatten(result)]
+        for op in created:
+            op._add_control_inputs([t.op for t in locks])
+        return _release(graph, ordered, new, locks, result, created, joinable)
+
+
+def _release(
+    graph: Any,
+    ordered: list[SectionLock],
+    new: list[SectionLock],
+    locks: list[tf.Tensor],
+    result: Any,
+    created: list[Any],
+    joinable: bool,
+) -> Any:
+    """The releases (after every op the body created) and the results made to wait.
+
+    A section traced with no enclosing one becomes the graph's open section, which the
+    next section on the same locks may join (:mod:`safevars.lock_coarsening`).
+    """
+    released = []
+    with tf.control_dependencies(created):
+        for lock, token in zip(new, locks):
+            with tfi.colocate_with(lock.cs._handle):
+                released.append(tfi.consume_mutex_lock(token))
+    with tf.control_dependencies(released):
+        leaves = [coarsening.after_release(x) for x in tf.nest.flatten(result)]
+    if joinable:
+        section = coarsening.OpenSection(
+            tuple(ordered),
+            threading.current_thread(),
+            locks,
+            list(released),
+            len(graph.get_operations()),
+        )
+        coarsening.record(graph, section)
     return tf.nest.pack_sequence_as(result, leaves)
-
-
-def _after_release(x: Any) -> Any:
-    """``x`` as seen after the section's release (built under its control dependency):
-    a tensor through an identity, an op (a write with ``read_value=False``) as a no-op."""
-    if isinstance(x, tf.Tensor):
-        return tf.identity(x)
-    if isinstance(x, tf.Operation):
-        return tf.no_op()
-    return x
 
 
 def _section_device(ordered: list[SectionLock]) -> str | None:

@@ -1,0 +1,203 @@
+"""Lock coarsening: consecutive graph sections on the same locks share one mutex.
+
+Each test checks both what is traced (how many mutexes a function takes: the point of
+coarsening) and that the function still runs and keeps the guarantees; the cases where a
+join would make a cycle or a wait out of lock order must trace separate sections.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from threading_harness import run_threads
+
+from safevars import SafeVariable
+
+
+def mutex_locks(function, *args) -> int:
+    graph = function.get_concrete_function(*args).graph
+    return sum(op.type == "MutexLock" for op in graph.get_operations())
+
+
+def test_consecutive_writes_of_one_variable_take_one_mutex():
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def eight_writes():
+        for _ in range(4):
+            v.assign_add(1.0, read_value=False)
+            v.update(lambda x: x * 2.0)
+        return v.read_value()
+
+    assert mutex_locks(eight_writes) == 1
+    value = 0.0
+    for _ in range(4):
+        value = (value + 1.0) * 2.0
+    assert float(eight_writes()) == value
+    assert v.version == 8
+
+
+def test_a_section_on_other_locks_in_between_ends_the_join():
+    v, w = SafeVariable(0.0), SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def alternate():
+        v.assign_add(1.0, read_value=False)
+        w.assign_add(1.0, read_value=False)
+        v.assign_add(1.0, read_value=False)
+
+    assert mutex_locks(alternate) == 3
+    alternate()
+    assert (float(v.numpy()), v.version, float(w.numpy()), w.version) == (2.0, 2, 1.0, 1)
+
+
+def test_a_value_computed_from_the_earlier_result_does_not_join():
+    """Joining would make the earlier result wait for the write it feeds: a cycle."""
+    v = SafeVariable(1.0)
+
+    @tf.function(autograph=False)
+    def chained():
+        first = v.assign_add(1.0)  # 2
+        v.assign(first * 10.0, read_value=False)  # 20
+        return v.read_value()
+
+    assert mutex_locks(chained) == 2
+    assert float(chained()) == 20.0 and v.version == 2
+
+
+def test_a_body_using_the_earlier_result_does_not_join():
+    """The same cycle, through a tensor the update's fn captures instead of the value."""
+    v = SafeVariable(1.0)
+
+    @tf.function(autograph=False)
+    def captured():
+        first = v.assign_add(1.0)  # 2
+        v.update(lambda x: x + first * 10.0)  # 22
+        return v.read_value()
+
+    assert mutex_locks(captured) == 2
+    assert float(captured()) == 22.0 and v.version == 2
+
+
+def test_an_assertion_traced_between_two_sections_ends_the_join():
+    """TensorFlow orders the assertion after the earlier release; a value that waits for
+    it, written in a joined section, would close a cycle (seen in the accumulator)."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def checked_between(delta):
+        v.assign_add(1.0, read_value=False)
+        check = tf.debugging.Assert(delta > 0.0, ["delta must be positive"])
+        with tf.control_dependencies([check]):
+            value = tf.identity(delta)
+        v.assign_add(value, read_value=False)
+        return v.read_value()
+
+    spec = tf.TensorSpec([], tf.float32)
+    assert mutex_locks(checked_between, spec) == 2
+    assert float(checked_between(tf.constant(2.0))) == 3.0 and v.version == 2
+
+
+def test_a_read_after_the_earlier_result_ends_the_join():
+    """TensorFlow orders the next write after a read of the same variable; a read that
+    waits for the earlier section's result would close a cycle through a joined write."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def read_between():
+        first = v.assign_add(1.0)
+        with tf.control_dependencies([first]):
+            seen = v.read_value()
+        v.assign_add(2.0, read_value=False)
+        return seen
+
+    assert mutex_locks(read_between) == 2
+    assert float(read_between()) == 1.0 and float(v.numpy()) == 3.0 and v.version == 2
+
+
+def test_a_value_from_another_section_does_not_join():
+    """A joined section would hold v's lock while waiting for w's section: out of order."""
+    v, w = SafeVariable(0.0), SafeVariable(5.0)
+
+    @tf.function(autograph=False)
+    def reads_w_between():
+        v.assign_add(1.0, read_value=False)
+        seen = w.snapshot().value  # a section on w, then the open section is w's
+        v.assign_add(seen, read_value=False)
+
+    @tf.function(autograph=False)
+    def reads_w_first():
+        seen = w.snapshot().value  # computed before v's first section
+        v.assign_add(1.0, read_value=False)
+        v.assign_add(seen, read_value=False)
+
+    assert mutex_locks(reads_w_between) == 3
+    assert mutex_locks(reads_w_first) == 3
+    reads_w_between()
+    reads_w_first()
+    assert float(v.numpy()) == 12.0 and v.version == 4
+
+
+def test_a_body_with_an_assertion_gets_its_own_mutex():
+    """An Assert is ordered after earlier stateful ops by TensorFlow: joined, it would
+    wait for the release that waits for it."""
+    v = SafeVariable(1.0)
+
+    @tf.function(autograph=False)
+    def checked(delta):
+        v.assign_add(1.0, read_value=False)
+
+        def positive(x):
+            with tf.control_dependencies([tf.debugging.assert_positive(x)]):
+                return x + delta
+
+        v.update(positive)
+        v.assign_add(1.0, read_value=False)  # may join the update's own section
+        return v.read_value()
+
+    spec = tf.TensorSpec([], tf.float32)
+    assert mutex_locks(checked, spec) == 2
+    assert float(checked(tf.constant(3.0))) == 6.0 and v.version == 3
+    v.assign(-10.0)
+    try:
+        checked(tf.constant(3.0))
+    except tf.errors.InvalidArgumentError:
+        pass
+    else:  # pragma: no cover - the assertion must fail
+        raise AssertionError("assert_positive did not fail")
+    # The first write was made (a graph does not roll back); the update and the write
+    # after it were not.
+    assert float(v.numpy()) == -9.0
+
+
+def test_joined_writes_are_atomic_for_readers_and_other_writers():
+    """Threads run the coarsened function while an eager writer adds and readers take
+    snapshots: every update lands, and no reader sees half of a call."""
+    v = SafeVariable(0.0)
+    calls, eager_adds, reads = 40, 200, 300
+
+    @tf.function(autograph=False)
+    def two_halves():
+        v.assign_add(1000.0, read_value=False)
+        v.assign_add(1000.0, read_value=False)
+
+    assert mutex_locks(two_halves) == 1
+    halves_seen: list[float] = []
+
+    def work(index: int) -> None:
+        if index == 0:
+            for _ in range(calls):
+                two_halves()
+        elif index == 1:
+            for _ in range(eager_adds):
+                v.assign_add(1.0)
+        else:
+            for _ in range(reads):
+                value = float(v.snapshot().value)
+                # Whole calls add multiples of 2000, the eager writer less than 1000.
+                if int(value) // 1000 % 2:
+                    halves_seen.append(value)
+
+    run_threads(4, work)
+    assert halves_seen == []
+    assert float(v.numpy()) == 2000.0 * calls + eager_adds
+    assert v.version == 2 * calls + eager_adds
