@@ -15,14 +15,16 @@ only when all of this holds, and the section is traced on its own otherwise:
 * the earlier section is the last one traced in this graph, by this thread, on the same
   locks, with no enclosing section and no ``tf.distribute`` strategy (replica threads
   trace into one graph concurrently), and no op traced since depends on a section's ops
-  or is a stateful op without a resource input (automatic control dependencies order
-  those after the earlier release, and the new body may depend on them: a cycle);
+  or on an op that may wait (as below), or is a stateful op without a resource input
+  (automatic control dependencies order those after the earlier release, and the new
+  body may depend on them: a cycle);
 * no op of the new body, the value it writes included, depends on a section's ops
-  (``MutexLock`` or ``ConsumeMutexLock``) besides the lock it joins: a joined body runs
-  with the lock held, so a value that waits for another lock would be hold-and-wait, the
-  deadlock :func:`safevars.sections._traced_section` is built to avoid, and a value
-  computed from the earlier section's results (which now wait for the later body) would
-  be a cycle;
+  (``MutexLock`` or ``ConsumeMutexLock``) besides the lock it joins, or on an op that
+  may wait for the outside or run other sections (a function call, control flow, a
+  queue, an iterator, a collective, a Python function): a joined body runs with the lock
+  held, so a value that waits for another lock would be hold-and-wait, the deadlock
+  :func:`safevars.sections._traced_section` is built to avoid, and a value computed from
+  the earlier section's results (which now wait for the later body) would be a cycle;
 * the new body creates no stateful op without a resource input (``Assert``, ``PrintV2``,
   a nested section's release): TensorFlow's automatic control dependencies chain such
   ops in program order after the earlier release, which now waits for the body (a
@@ -47,6 +49,38 @@ from safevars.locking import SectionLock
 __all__ = ["OpenSection", "after_release", "can_join", "join", "open_section", "record"]
 
 _SECTION_OPS = frozenset(("MutexLock", "ConsumeMutexLock"))
+# Ops that may wait for something outside the function (another thread's enqueue, a
+# peer, Python) or run a graph that may take other locks: a joined section must not
+# hold its lock while waiting for one of them.
+_MAY_WAIT = frozenset(
+    (
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+        "If",
+        "StatelessIf",
+        "While",
+        "StatelessWhile",
+        "Case",
+        "StatelessCase",
+        "EagerPyFunc",
+        "PyFunc",
+        "PyFuncStateless",
+        "QueueDequeueV2",
+        "QueueDequeueManyV2",
+        "QueueDequeueUpToV2",
+        "IteratorGetNext",
+        "IteratorGetNextSync",
+        "IteratorGetNextAsOptional",
+        "CollectiveReduceV2",
+        "CollectiveGatherV2",
+        "CollectiveBcastRecvV2",
+        "CollectiveAllToAllV2",
+        "_Recv",
+        "Recv",
+        "Barrier",
+        "BarrierTakeMany",
+    )
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -155,8 +189,10 @@ def _orders_after_release(op: Any) -> bool:
 
 
 def _depends_on_section(graph: Any, op: Any) -> bool:
-    """Whether ``op`` is, or depends on, a ``MutexLock``/``ConsumeMutexLock`` op
-    (iterative, memoized per graph)."""
+    """Whether ``op`` is, or depends on, a section's op (``MutexLock``,
+    ``ConsumeMutexLock``) or an op that may wait or take other locks (``_MAY_WAIT``: a
+    function call, control flow, a queue, an iterator, a collective, Python), iteratively,
+    memoized per graph."""
     with _LOCK:
         memo = _DEPENDS.setdefault(graph, {})
     stack = [op]
@@ -165,7 +201,7 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
         if current in memo:
             stack.pop()
             continue
-        if current.type in _SECTION_OPS:
+        if current.type in _SECTION_OPS or current.type in _MAY_WAIT:
             memo[current] = True
             stack.pop()
             continue

@@ -137,6 +137,36 @@ def test_a_value_from_another_section_does_not_join():
     assert float(v.numpy()) == 12.0 and v.version == 4
 
 
+def test_a_function_call_or_a_dequeue_in_between_ends_the_join():
+    """A joined section would hold v's lock while a called function takes other locks,
+    or while a dequeue waits for a producer that may need v's lock."""
+    v, w = SafeVariable(0.0), SafeVariable(0.0)
+    queue = tf.queue.FIFOQueue(4, tf.float32, shapes=[[]])
+
+    @tf.function(autograph=False)
+    def write_w():
+        w.assign_add(1.0, read_value=False)
+        return tf.constant(2.0)
+
+    @tf.function(autograph=False)
+    def call_between():
+        v.assign_add(1.0, read_value=False)
+        two = write_w()
+        v.assign_add(two, read_value=False)
+
+    @tf.function(autograph=False)
+    def dequeue_between():
+        v.assign_add(1.0, read_value=False)
+        v.assign_add(queue.dequeue(), read_value=False)
+
+    assert mutex_locks(call_between) == 2  # v twice; w's lock is in the called graph
+    assert mutex_locks(dequeue_between) == 2
+    call_between()
+    queue.enqueue(5.0)
+    dequeue_between()
+    assert (float(v.numpy()), v.version, w.version) == (9.0, 4, 1)
+
+
 def test_a_body_with_an_assertion_gets_its_own_mutex():
     """An Assert is ordered after earlier stateful ops by TensorFlow: joined, it would
     wait for the release that waits for it."""
