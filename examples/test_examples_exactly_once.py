@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
 
 from _quiet import startup_noise
-from _smoke import ENV, HERE
+from _smoke import start
 
 ROW = re.compile(r"^(plain|exactly_once)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", re.M)
 BEFORE = re.compile(r"before scheduling again: (\{.*\})")
@@ -18,13 +15,12 @@ BATCH = 32
 
 def test_exactly_once_example_counts_every_step_once():
     steps = 30
-    command = [sys.executable, os.path.join(HERE, "exactly_once_ps.py"), "--steps", str(steps)]
     # TensorFlow 2.21's in-process parameter-server cluster has been seen to die of
     # SIGSEGV while the coordinator recovers from the failing step (once in about ten
     # runs here): a process killed by a signal is run once more; any other failure, and
     # every assertion below, counts at once.
     for _attempt in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+        done = start("exactly_once_ps.py", "--steps", steps, timeout=120)
         if done.returncode >= 0:
             break
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-from _quiet import startup_noise
-from _smoke import ENV, HERE
+from _smoke import run_example
 
 TIMEOUT = 300
 
@@ -23,16 +19,7 @@ CHECKS = [
 
 
 def test_replica_rng_example_checks_hold():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "replica_rng.py"), "--seed", "4321"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=ENV,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert startup_noise(proc.stderr) == [], proc.stderr
-    out = proc.stdout
+    out = run_example("replica_rng.py", "--seed", "4321", timeout=TIMEOUT)
     results = dict(re.findall(r"^(.+?): (True|False)$", out, re.M))
     assert {check: results.get(check) for check in CHECKS} == dict.fromkeys(CHECKS, "True"), out
     noise = re.findall(r"^replica (\d) noise: \[(.+)\]$", out, re.M)

@@ -27,7 +27,6 @@ from tensorflow.python.distribute import distribute_lib, sharded_variable, value
 from tensorflow.python.distribute import values as ds_values
 from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.eager import context as _context
-from tensorflow.python.eager import context as eager_context_module
 from tensorflow.python.eager import core as _core
 from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -162,6 +161,7 @@ __all__ = [
 ]
 
 ConcreteFunction = concrete_function.ConcreteFunction
+eager_context_module = _context
 executing_eagerly = _context.executing_eagerly
 fast_execute = pywrap_tfe.TFE_Py_FastPathExecute
 FallbackException = _core._FallbackException

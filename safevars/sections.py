@@ -236,15 +236,21 @@ def _traced_section(
                     graph, ordered, new, inputs, result, created, joinable
                 ),
             )
-        locks: list[tf.Tensor] = []
-        for lock in new:
-            with tf.control_dependencies(locks[-1:] if locks else inputs):
-                locks.append(tfi.mutex_lock(lock.cs._handle))
+        locks = _mutex_locks(new, inputs)
         before = len(graph.get_operations())
         with tf.control_dependencies(locks):
             result = trace(fn)
         created = graph.get_operations()[before:]
         return _release(graph, ordered, new, locks, result, created, joinable)
+
+
+def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> list[tf.Tensor]:
+    """``MutexLock`` ops for ``new``, one after another in order, the first after ``inputs``."""
+    locks: list[tf.Tensor] = []
+    for lock in new:
+        with tf.control_dependencies(locks[-1:] if locks else inputs):
+            locks.append(tfi.mutex_lock(lock.cs._handle))
+    return locks
 
 
 def _own_section(
@@ -258,10 +264,7 @@ def _own_section(
 ) -> Any:
     """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
-        locks: list[tf.Tensor] = []
-        for lock in new:
-            with tf.control_dependencies(locks[-1:] if locks else inputs):
-                locks.append(tfi.mutex_lock(lock.cs._handle))
+        locks = _mutex_locks(new, inputs)
         for op in created:
             op._add_control_inputs([t.op for t in locks])
         return _release(graph, ordered, new, locks, result, created, joinable)

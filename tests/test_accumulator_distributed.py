@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from cluster_harness import run_together, script
 from distributed.accumulator_ps import counted_contributions, hard_contributions
+from distributed.script_common import hexes
 
 from safevars.accumulator import GradientAccumulator
 from safevars.distribute import SUPPORTED_STRATEGIES
@@ -63,10 +64,6 @@ def clusters() -> dict:
 
 
 # --------------------------------------------------------------------- references
-
-
-def hexes(tensors) -> list[str]:
-    return [np.asarray(t).tobytes().hex() for t in tensors]
 
 
 def split(row: np.ndarray) -> list[tf.Tensor]:

@@ -10,11 +10,11 @@ documented key with an eager ``ReplicaRNG`` and compares bitwise.
 
 from __future__ import annotations
 
-import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
 from cluster_harness import run_together, script
+from distributed.script_common import hexes
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.rng import ReplicaRNG
@@ -64,10 +64,6 @@ def mwms_runs() -> list[list[dict]]:
 
 
 # --------------------------------------------------------------------- references
-
-
-def hexes(tensors) -> list[str]:
-    return [np.asarray(t).tobytes().hex() for t in tensors]
 
 
 def step_draws(stream) -> list[tf.Tensor]:

@@ -36,6 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from script_common import hexes  # noqa: E402
 
 from safevars.errors import InvalidArgumentError, StaleGradientError  # noqa: E402
 from safevars.local_cluster import start_in_process_cluster  # noqa: E402
@@ -44,10 +45,6 @@ from safevars.variable import SafeVariable, wrap  # noqa: E402
 
 SHAPE = [4]
 LR, MOMENTUM = 0.01, 0.9
-
-
-def hexes(values) -> list[str]:
-    return [np.asarray(v).tobytes().hex() for v in values]
 
 
 def error_text(call) -> str:
