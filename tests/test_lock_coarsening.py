@@ -8,7 +8,7 @@ join would make a cycle or a wait out of lock order must trace separate sections
 from __future__ import annotations
 
 import tensorflow as tf
-from threading_harness import run_threads
+from threading_harness import call_bounded, run_threads
 
 from safevars import SafeVariable
 
@@ -231,3 +231,33 @@ def test_joined_writes_are_atomic_for_readers_and_other_writers():
     assert halves_seen == []
     assert float(v.numpy()) == 2000.0 * calls + eager_adds
     assert v.version == 2 * calls + eager_adds
+
+
+def test_a_run_time_failure_inside_a_joined_section_releases_the_lock():
+    """A fault in the second of two joined writes (a reshape that fails when it runs):
+    the first write stays made, the second is not, and the mutex is free afterwards for
+    an eager writer and for another traced section (each in a bounded wait)."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def second_fails(parts):
+        v.assign_add(1.0, read_value=False)
+        v.update(lambda x: x + tf.reshape(parts, []))  # fails unless parts has 1 element
+
+    @tf.function(autograph=False)
+    def add_two():
+        v.assign_add(2.0, read_value=False)
+
+    spec = tf.TensorSpec([None], tf.float32)
+    assert mutex_locks(second_fails, spec) == 1
+    try:
+        second_fails(tf.constant([1.0, 2.0]))
+    except tf.errors.InvalidArgumentError:
+        pass
+    else:  # pragma: no cover - the reshape must fail
+        raise AssertionError("the reshape did not fail")
+    assert float(v.numpy()) == 1.0 and v.version == 1
+    call_bounded(lambda: v.assign_add(1.0))
+    call_bounded(add_two)
+    second_fails(tf.constant([5.0]))
+    assert float(v.numpy()) == 10.0 and v.version == 5
