@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -94,26 +93,30 @@ class OpenSection:
     end: int  # how many ops the graph had when the section's results were made
 
 
-# graph -> the section a following one may join; keyed by graph (FuncGraphs are traced
-# once), popped by every section traced in the graph so only consecutive ones join.
-_OPEN: weakref.WeakKeyDictionary[Any, OpenSection] = weakref.WeakKeyDictionary()
-# graph -> {op: whether it depends on a section op}; ops do not change once created
-# except the releases (section ops in any case) and automatic control dependencies,
-# which are added when the function is finished.
-_DEPENDS: weakref.WeakKeyDictionary[Any, dict[Any, bool]] = weakref.WeakKeyDictionary()
+# Per-graph state lives on the graph object itself, never in a map keyed by graph: the
+# state holds the graph's ops, which hold the graph, so a WeakKeyDictionary entry would
+# keep every traced graph alive for good (it did: a leak of one FuncGraph per trace).
+# The attributes form a cycle with the graph that the garbage collector frees with it.
+_OPEN_ATTRIBUTE = "_safevars_open_section"  # the section the next one may join; popped
+# by every section traced in the graph, so only consecutive ones join
+_DEPENDS_ATTRIBUTE = "_safevars_depends_on_section"  # {op: depends on a section op?};
+# ops do not change once created except the releases (section ops in any case) and
+# automatic control dependencies, which are added when the function is finished
 _LOCK = threading.Lock()
 
 
 def open_section(graph: Any) -> OpenSection | None:
     """Takes the graph's open section (none is open afterwards)."""
     with _LOCK:
-        return _OPEN.pop(graph, None)
+        section: OpenSection | None = getattr(graph, _OPEN_ATTRIBUTE, None)
+        setattr(graph, _OPEN_ATTRIBUTE, None)
+        return section
 
 
 def record(graph: Any, section: OpenSection) -> None:
     """Marks ``section`` as the one the next section of ``graph`` may join."""
     with _LOCK:
-        _OPEN[graph] = section
+        setattr(graph, _OPEN_ATTRIBUTE, section)
 
 
 def can_join(graph: Any, section: OpenSection, ordered: list[SectionLock]) -> bool:
@@ -194,7 +197,10 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
     function call, control flow, a queue, an iterator, a collective, Python), iteratively,
     memoized per graph."""
     with _LOCK:
-        memo = _DEPENDS.setdefault(graph, {})
+        memo: dict[Any, bool] | None = getattr(graph, _DEPENDS_ATTRIBUTE, None)
+        if memo is None:
+            memo = {}
+            setattr(graph, _DEPENDS_ATTRIBUTE, memo)
     stack = [op]
     while stack:
         current = stack[-1]
