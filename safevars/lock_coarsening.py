@@ -169,7 +169,13 @@ def _may_join(graph: Any, section: OpenSection, created: list[Any]) -> bool:
     """Whether a traced body may run under ``section``'s lock (see the module doc)."""
     if any(_orders_after_release(op) for op in created):
         return False
+    # The section's own ops: the new body, its locks and the bodies already joined (what
+    # its releases wait for). Depending on those is no cycle: they run under the same
+    # locks, before the releases (a write waits for the version count of the previous
+    # write of its variable: safevars.variable.write_order).
     own = set(created) | {t.op for t in section.tokens}
+    for release in section.releases:
+        own.update(release.control_inputs)
     return not any(
         _depends_on_section(graph, source)
         for op in created

@@ -36,6 +36,34 @@ def test_consecutive_writes_of_one_variable_take_one_mutex():
     assert v.version == 8
 
 
+def test_each_write_waits_for_the_version_count_of_the_one_before():
+    """Writes and counts form one chain, not a fork after each write (where TensorFlow's
+    executor hands the next large write to another thread: see
+    safevars.variable.write_order). Also across a section on other locks."""
+    v, w = SafeVariable(tf.zeros([4])), SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def writes():
+        v.assign_add(tf.ones([4]), read_value=False)
+        v.assign_add(tf.ones([4]), read_value=False)
+        w.assign_add(1.0, read_value=False)
+        v.assign(tf.fill([4], 5.0), read_value=False)
+
+    graph = writes.get_concrete_function().graph
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    value_handle = inner[id(v.handle)]
+    count_handle = inner[id(v._self_guard.version_var.handle)]
+    ops = [op for op in graph.get_operations() if op.type.startswith("Assign")]
+    of_v = [op for op in ops if op.inputs[0] is value_handle]
+    v_counts = [op for op in ops if op.inputs[0] is count_handle]
+    assert len(of_v) == 3 and len(v_counts) == 3
+    for previous_count, write in zip(v_counts, of_v[1:]):
+        assert previous_count in write.control_inputs
+    assert mutex_locks(writes) == 3  # the first two joined; w's section; v's again
+    writes()
+    assert (v.numpy().tolist(), v.version, w.version) == ([5.0] * 4, 3, 1)
+
+
 def test_a_section_on_other_locks_in_between_ends_the_join():
     v, w = SafeVariable(0.0), SafeVariable(0.0)
 

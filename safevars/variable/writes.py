@@ -30,7 +30,7 @@ from safevars.locking import check_timeout, hold
 from safevars.sections import graph_section, held_in_graph
 from safevars.variable.checks import _shapes_fit, _version_argument
 from safevars.variable.write_counting import _writes_to_count
-from safevars.variable.write_order import _earlier_ops
+from safevars.variable.write_order import _earlier_ops, record_count
 
 if TYPE_CHECKING:
     from safevars.locking import Guard
@@ -100,12 +100,13 @@ class _Writes(_SafeVariableFields):
         """The write, its version count and (``read``) the value written, traced in the
         section: with ``read=False`` it returns the count's op and reads nothing (a read
         would also make the next write of a large variable copy its buffer)."""
-        with tf.control_dependencies(_earlier_ops()):
+        guard = self._self_guard
+        with tf.control_dependencies(_earlier_ops(guard)):
             written = op()
         written = written.op if isinstance(written, tf.Tensor) else written
-        guard = self._self_guard
         count = _writes_to_count(guard, count)
         bumped = guard.bump_graph(written, count) if count else written
+        record_count(guard, bumped)
         if writes is not None:
             writes.append(bumped)
         if not read:
