@@ -12,6 +12,7 @@ import tensorflow as tf
 from threading_harness import run_threads
 
 from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
+from safevars.accumulator import state as accumulator_state
 from safevars.errors import (
     AccumulatorTimeoutError,
     DTypeMismatchError,
@@ -26,12 +27,14 @@ from safevars.variable import SafeVariable
 def state(acc: GradientAccumulator) -> tuple:
     """Everything a refused call must leave unchanged: the live state and statistics.
 
-    Deterministic accumulators only read the buffer rows below the pending count.
+    Deterministic accumulators only read the blocks (one per contribution) below the
+    pending count.
     """
     stats = acc.statistics()
     live = acc._state.numpy()
     if acc.deterministic:
-        live = live[: stats.pending]
+        layout = acc._layout
+        live = live.reshape(-1, layout.chunks * layout.width)[: stats.pending]
     return (live.tobytes(), stats)
 
 
@@ -46,6 +49,19 @@ def hard_contributions(count: int, size: int, seed: int) -> list[np.ndarray]:
         (rng.standard_normal(size) * 10.0 ** rng.uniform(-6, 6, size)).astype(np.float32)
         for _ in range(count)
     ]
+
+
+@pytest.fixture(params=["one_row", "blocks"])
+def layout(request, monkeypatch):
+    """Runs a test with both deterministic buffer layouts: small models store each
+    contribution as one row; models with gradients of at least ``_DIRECT`` elements
+    store blocks of ``_CHUNK``-element rows, large gradients straight from the tensor
+    (see ``_Layout``). "blocks" shrinks both constants so that the tests' small
+    variables take that path: direct rows, a partial last row (tail) and padding."""
+    if request.param == "blocks":
+        monkeypatch.setattr(accumulator_state, "_CHUNK", 4)
+        monkeypatch.setattr(accumulator_state, "_DIRECT", 8)
+    return request.param
 
 
 # ---------------------------------------------------------------------- construction
@@ -104,10 +120,69 @@ class TestConstruction:
         assert isinstance(v, tf.distribute.DistributedValues)
 
 
+class TestBlockLayout:
+    """Deterministic accumulators with gradients of at least ``_DIRECT`` elements store
+    them straight into rows of their own (no concatenated copy); see ``_Layout``."""
+
+    SHAPES = ([256, 256], [300], [257, 256], [5, 2])  # direct, packed, direct + tail
+
+    def test_layout_places_every_element_once(self):
+        chunk = accumulator_state._CHUNK
+        for shapes in (self.SHAPES, [[256, 1024], [1024], [1024, 1024], [1024], [1024, 10]]):
+            acc = GradientAccumulator([tf.Variable(tf.zeros(s)) for s in shapes])
+            layout = acc._layout
+            assert layout.width == chunk
+            cells = np.zeros(layout.chunks * layout.width, np.int64)
+            for slot, segments in zip(acc._slots, layout.segments):
+                assert sum(length for _, length in segments) == slot.size
+                for start, length in segments:
+                    cells[start : start + length] += 1
+            assert set(cells.tolist()) <= {0, 1}
+            padding = int((cells == 0).sum())
+            assert padding < chunk  # only the packed rows' end
+            assert np.all(cells[: cells.size - padding] == 1)
+        small = GradientAccumulator([tf.Variable(tf.zeros([5, 7])), tf.Variable(tf.zeros([3]))])
+        assert (small._layout.chunks, small._layout.width) == (1, 38)  # one row, no padding
+
+    def test_memory_cost_with_large_gradients(self):
+        v = tf.Variable(tf.zeros([256, 1024]))
+        b = tf.Variable(tf.zeros([10]))
+        acc = GradientAccumulator([v, b])
+        # 256 direct rows and one packed row of 1024 elements, per contribution
+        assert acc.state_bytes == 4 * (256 + 1) * 1024 * 4
+        assert acc.state_bytes < 4 * (v.shape.num_elements() + 10 + 1024) * 4
+
+    def test_same_bits_as_one_row_per_contribution(self, mode, monkeypatch):
+        rng = np.random.default_rng(4)
+        grads = [
+            [
+                (rng.standard_normal(s) * 10.0 ** rng.uniform(-8, 8, s)).astype(np.float32)
+                for s in self.SHAPES
+            ]
+            for _ in range(5)
+        ]
+        exact = [np.mean(np.stack([g[i] for g in grads]).astype(np.float64), 0) for i in range(4)]
+        results = []
+        for direct in (accumulator_state._DIRECT, 10**9):  # blocks, then one row
+            monkeypatch.setattr(accumulator_state, "_DIRECT", direct)
+            acc = GradientAccumulator([tf.Variable(tf.zeros(s)) for s in self.SHAPES])
+            assert (acc._layout.chunks > 1) == (direct < 10**9)
+            add = mode(lambda g, acc=acc: acc.add(g))
+            for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1]):
+                for i in order:
+                    add([tf.constant(x) for x in grads[i]])
+                out = [t.numpy() for t in acc.take()]
+                for got, want in zip(out, exact):
+                    np.testing.assert_array_max_ulp(got, want.astype(np.float32), maxulp=1)
+                results.append(b"".join(t.tobytes() for t in out))
+        assert len(set(results)) == 1
+
+
 # ---------------------------------------------------------------------- add / take
 
 
 class TestAddTake:
+    @pytest.mark.usefixtures("layout")
     def test_mean_of_dense_sparse_and_none(self, mode):
         a = tf.Variable(tf.zeros([3, 2]))
         b = tf.Variable(tf.zeros([2]))
@@ -202,6 +277,7 @@ class TestDeterminism:
             sums.add(total.tobytes())
         assert len(sums) > 1  # so the bitwise test below is meaningful
 
+    @pytest.mark.usefixtures("layout")
     def test_eight_threads_shuffled_orders_are_bitwise_identical(self, mode):
         grads = hard_contributions(self.CONTRIBUTIONS, self.SIZE, seed=1)
         v = tf.Variable(tf.zeros([self.SIZE]))
@@ -260,6 +336,7 @@ class TestDeterminism:
             assert error <= abs(exact) * Fraction(1, 2**52) + biggest * Fraction(1, 2**80)
 
     @pytest.mark.parametrize("counts", [(1, 3, 4), (5, 8, 9), (17, 2)])
+    @pytest.mark.usefixtures("layout")
     def test_take_reduces_exactly_the_pending_rows(self, mode, counts):
         """Takes of 1..17 contributions (several row buckets, one XLA compile each) after
         earlier takes left garbage rows behind: exactly the pending rows count."""
@@ -542,6 +619,7 @@ class TestStaleness:
         np.testing.assert_array_equal(acc.take()[0], [14.0, 7.0])
 
     @pytest.mark.parametrize("deterministic", [True, False])
+    @pytest.mark.usefixtures("layout")
     def test_scale_divides_by_staleness_plus_one_exactly(self, mode, deterministic):
         v = tf.Variable(tf.zeros([3]))
         acc = GradientAccumulator(
@@ -628,6 +706,7 @@ class TestMixedPrecision:
     @pytest.mark.parametrize(
         "dtype, big", [(tf.float16, 2048.0), (tf.bfloat16, 256.0)], ids=["f16", "bf16"]
     )
+    @pytest.mark.usefixtures("layout")
     def test_half_precision_accumulates_in_float32(self, mode, dtype, big):
         v = tf.Variable(tf.zeros([2], dtype))
         acc = GradientAccumulator([v], reduction="sum")
@@ -661,6 +740,7 @@ class TestMixedPrecision:
 
 class TestCheckpoint:
     @pytest.mark.parametrize("deterministic", [True, False])
+    @pytest.mark.usefixtures("layout")
     def test_resume_gives_the_same_result(self, tmp_path, deterministic):
         v = tf.Variable(tf.zeros([64]))
         grads = [tf.constant(g) for g in hard_contributions(6, 64, seed=5)]
@@ -693,6 +773,7 @@ class TestBadInput:
         acc.add([tf.ones([2, 2]), tf.ones([3])])
         return acc
 
+    @pytest.mark.usefixtures("layout")
     def test_refused_calls_change_nothing(self):
         acc = self.make()
         before = state(acc)
@@ -717,6 +798,7 @@ class TestBadInput:
                 acc.add(gradients)
             assert state(acc) == before, gradients
 
+    @pytest.mark.usefixtures("layout")
     def test_refused_calls_change_nothing_in_graph(self):
         acc = self.make()
         before = state(acc)
@@ -734,6 +816,7 @@ class TestBadInput:
         acc.add([np.ones((2, 2)), [1.0, 2.0, 3.0]])
         np.testing.assert_array_equal(acc.take()[1], [2.0, 3.0, 4.0])
 
+    @pytest.mark.usefixtures("layout")
     def test_nonfinite_raise(self, mode):
         acc = self.make(nonfinite="raise")
         before = state(acc)
@@ -746,6 +829,7 @@ class TestBadInput:
                 mode(lambda: acc.add(bad))()
         assert state(acc) == before
 
+    @pytest.mark.usefixtures("layout")
     def test_nonfinite_skip_is_counted(self, mode):
         acc = self.make(nonfinite="skip")
         before = state(acc)
@@ -771,6 +855,7 @@ class TestMirroredStrategy:
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         return tf.cast(rid + 1, tf.float32) * tf.constant([1.0, 10.0, 100.0])
 
+    @pytest.mark.usefixtures("layout")
     def test_every_replica_counts_once_and_take_reduces(self, mirrored_strategy):
         acc = self.make(mirrored_strategy)
 
@@ -802,6 +887,7 @@ class TestMirroredStrategy:
             np.testing.assert_array_equal(r, [3.0, 30.0, 300.0])
         assert acc.statistics().taken == 2 and acc.statistics().takes == 1
 
+    @pytest.mark.usefixtures("layout")
     def test_eager_run_and_per_replica_values(self, mirrored_strategy):
         acc = self.make(mirrored_strategy, reduction="sum")
         mirrored_strategy.run(lambda: acc.add([self.replica_gradient()]))
@@ -809,6 +895,32 @@ class TestMirroredStrategy:
         assert acc.add([per_replica]) == 2
         np.testing.assert_array_equal(acc.take()[0], [6.0, 60.0, 600.0])
 
+    @pytest.mark.usefixtures("layout")
+    def test_a_refused_replica_leaves_no_hole(self, mirrored_strategy):
+        """nonfinite="skip" in a graph: replica 0's contribution is refused when the
+        step runs, replica 1's is accepted in the same commit; the accepted one lands in
+        the first free block, so take reads exactly it (and the earlier one)."""
+        with mirrored_strategy.scope():
+            v = tf.Variable(tf.zeros([3, 3]))
+            acc = GradientAccumulator([v], nonfinite="skip", reduction="sum")
+        acc.add([tf.ones([3, 3])])
+
+        @tf.function(autograph=False)
+        def step():
+            def replica():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                bad = tf.fill([3, 3], np.float32(np.nan))
+                return acc.add([tf.where(rid == 0, bad, 2.0 * tf.ones([3, 3]))])
+
+            return mirrored_strategy.run(replica)
+
+        added = mirrored_strategy.experimental_local_results(step())
+        assert {int(n) for n in added} == {1}
+        stats = acc.statistics()
+        assert (stats.pending, stats.rejected) == (2, 1)
+        np.testing.assert_array_equal(acc.take()[0], np.full([3, 3], 3.0))
+
+    @pytest.mark.usefixtures("layout")
     def test_matches_single_device_bitwise(self, mirrored_strategy):
         grads = hard_contributions(2, 3, seed=9)
         acc = self.make(mirrored_strategy)

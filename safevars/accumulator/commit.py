@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
-from safevars.accumulator.state import _AccumulatorBase, _Part
+from safevars.accumulator.state import _AccumulatorBase, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES
 from safevars.locking import Guard, graph_section, hold
 from safevars.staleness import refuse_stale, scale_stale, version_lag
@@ -131,29 +131,37 @@ class _Commit(_AccumulatorBase):
             )
 
     def _store_rows(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
-        """Copies the accepted rows to the next free buffer rows, growing it if full.
+        """Copies the accepted contributions to the next free blocks, growing if full.
 
-        Rows refused at run time (a bool tensor) are moved behind the accepted ones, past
-        the new pending count, where they are ignored.
+        Each contribution is one block of ``_Layout.chunks`` buffer rows, written piece
+        by piece (see ``_Layout``): one scatter per piece, straight from the gradients.
+        Contributions refused at run time (a bool tensor) go to blocks behind the
+        accepted ones, past the new pending count, where they are ignored.
         """
-        rows = [scale_stale(part.values, staleness, scale) for part, _, scale, staleness in kept]
-        block = rows[0][None] if len(rows) == 1 else tf.stack(rows)
+        layout = self._layout
+        blocks = [
+            _pieces(scale_stale_each(part.values, staleness, scale), layout)
+            for part, _, scale, staleness in kept
+        ]
         accepts = [accept for _, accept, _, _ in kept]
+        count = len(kept)
+        offsets: list[Any] = list(range(count))
         if any(isinstance(a, tf.Tensor) for a in accepts):
             refused = tf.stack([tf.logical_not(tf.cast(a, tf.bool)) for a in accepts])
-            block = tf.gather(block, tf.argsort(tf.cast(refused, tf.int32), stable=True))
-        count = len(rows)
+            order = tf.argsort(tf.cast(refused, tf.int32), stable=True)
+            where = tf.cast(tf.math.invert_permutation(order), tf.int64)
+            offsets = [where[k] for k in range(count)]
+        chunks = layout.chunks
         if tf.executing_eagerly():
             pending = int(self._counters[_PENDING])
             capacity = int(self._rows_shape()[0])
-            if pending + count > capacity:
-                self._grow(capacity, pending + count)
-            positions = tf.range(pending, pending + count, dtype=tf.int64)
-            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
+            if (pending + count) * chunks > capacity:
+                self._grow(capacity, (pending + count) * chunks)
+            self._write_blocks(blocks, pending, offsets)
             return
         pending = self._counters[_PENDING]
         capacity = self._rows_shape()[0]
-        needed = pending + count
+        needed = (pending + count) * chunks
 
         def grow() -> tf.Tensor:
             self._grow(capacity, needed)
@@ -161,8 +169,18 @@ class _Commit(_AccumulatorBase):
 
         grown = tf.cond(needed > capacity, grow, lambda: tf.constant(False))
         with tf.control_dependencies([grown]):
-            positions = pending + tf.range(count, dtype=tf.int64)
-            gen_resource_variable_ops.resource_scatter_update(self._state.handle, positions, block)
+            self._write_blocks(blocks, pending, offsets)
+
+    def _write_blocks(
+        self, blocks: list[list[tuple[int, Any]]], pending: Any, offsets: list[Any]
+    ) -> None:
+        """Scatters each contribution's pieces to block ``pending + offset`` (lock held)."""
+        chunks = self._layout.chunks
+        for pieces, offset in zip(blocks, offsets):
+            base = (tf.cast(pending, tf.int64) + offset) * chunks
+            for first, piece in pieces:
+                rows = tf.range(first, first + piece.shape[0], dtype=tf.int64) + base
+                gen_resource_variable_ops.resource_scatter_update(self._state.handle, rows, piece)
 
     def _rows_shape(self) -> tf.Tensor:
         """The state's shape (int64), without reading it.
@@ -175,7 +193,9 @@ class _Commit(_AccumulatorBase):
     def _grow(self, capacity: int | tf.Tensor, needed: int | tf.Tensor) -> None:
         """Doubles the row buffer (or more, to ``needed`` rows), keeping its rows."""
         new = tf.maximum(tf.cast(capacity, tf.int64) * 2, tf.cast(needed, tf.int64))
-        extra = tf.zeros(tf.stack([new - tf.cast(capacity, tf.int64), self._size]), tf.float32)
+        extra = tf.zeros(
+            tf.stack([new - tf.cast(capacity, tf.int64), self._layout.width]), tf.float32
+        )
         rows = gen_resource_variable_ops.resource_gather(
             self._state.handle, tf.range(tf.cast(capacity, tf.int64)), dtype=tf.float32
         )
@@ -214,6 +234,22 @@ def _total(flags: Sequence[Any]) -> int | tf.Tensor:
     if not tensors:
         return constant
     return tf.add_n(tensors) + constant
+
+
+def scale_stale_each(values: Any, staleness: Any, scale: Any) -> Any:
+    """:func:`scale_stale` of a tensor or of each piece of a tuple."""
+    return tf.nest.map_structure(lambda v: scale_stale(v, staleness, scale), values)
+
+
+def _pieces(values: Any, layout: _Layout) -> list[tuple[int, tf.Tensor]]:
+    """A contribution's ``(first row, piece)`` pairs in its block.
+
+    ``values`` is the tuple of :meth:`_block_pieces`, or the whole block as one flat
+    vector (a contribution all-gathered across workers).
+    """
+    if isinstance(values, tuple):
+        return list(zip(layout.firsts, values))
+    return [(0, tf.reshape(values, [layout.chunks, layout.width]))]
 
 
 def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:

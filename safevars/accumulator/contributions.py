@@ -330,6 +330,15 @@ class _Contributions(_AccumulatorBase):
                 tf.reshape(starts[:, None] + tf.range(row_size, dtype=tf.int64)[None], [-1])
             )
             values_list.append(tf.reshape(rows, [-1]))
+        checks = tf.stack(in_range) if in_range else None
+        if self._deterministic:
+            pieces = self._block_pieces(values_list)
+            finite = None
+            if self._nonfinite != "propagate":
+                finite = tf.reduce_all(
+                    tf.stack([tf.reduce_all(tf.math.is_finite(p)) for p in pieces])
+                )
+            return None, pieces, finite, checks
         values = tf.concat(values_list, 0) if values_list else tf.zeros([0], self._sum_dtype)
         elements = None
         if by_element:
@@ -337,8 +346,27 @@ class _Contributions(_AccumulatorBase):
         finite = (
             tf.reduce_all(tf.math.is_finite(values)) if self._nonfinite != "propagate" else None
         )
-        checks = tf.stack(in_range) if in_range else None
         return elements, values, finite, checks
+
+    def _block_pieces(self, flats: list[tf.Tensor]) -> tuple[tf.Tensor, ...]:
+        """One contribution's ``[rows, width]`` pieces in its block (see ``_Layout``).
+
+        A large gradient's whole rows are a reshape of it (no copy); the rest is packed
+        into one zero-padded piece, the only copy.
+        """
+        layout = self._layout
+        pieces = []
+        for position, _, rows in layout.direct:
+            flat = flats[position]
+            if rows * layout.width < self._slots[position].size:
+                flat = flat[: rows * layout.width]
+            pieces.append(tf.reshape(flat, [rows, layout.width]))
+        packed = [flats[p][first : first + length] for p, first, length in layout.packed]
+        padding = layout.packed_rows * layout.width - sum(p[2] for p in layout.packed)
+        if padding:
+            packed.append(tf.zeros([padding], tf.float32))
+        pieces.append(tf.reshape(_concat(packed), [layout.packed_rows, layout.width]))
+        return tuple(pieces)
 
 
 def _sparse_slot(entries: tuple, position: int) -> int:
@@ -349,7 +377,11 @@ def _sparse_slot(entries: tuple, position: int) -> int:
 
 def _after(check: Any, tensors: tuple) -> tuple:
     with tf.control_dependencies([check]):
-        return tuple(None if t is None else tf.identity(t) for t in tensors)
+        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
+
+
+def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
 
 
 def _is_int_version(version: Any) -> bool:

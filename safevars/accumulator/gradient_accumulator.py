@@ -19,11 +19,15 @@ the docstring of :mod:`safevars.accumulator`.
 Memory cost of ``deterministic=True``: **4 bytes per element per buffered contribution**,
 that is ``4 * K`` bytes per gradient element to accumulate K micro-batches (Keras'
 ``gradient_accumulation_steps`` and ``deterministic=False`` keep 4: one float32 running
-sum). The buffer starts with ``max(num_required, 4)`` rows, doubles when an ``add``
+sum), plus, when some gradient has at least 65,536 elements, padding of fewer than
+1,024 elements (4 KiB) per buffered contribution: such gradients are stored straight
+from the gradient tensor into rows of 1,024 elements of their own, and the rest is
+packed into whole rows after them (see ``_Layout`` in :mod:`.state`). The buffer
+starts with room for ``max(num_required, 4)`` contributions, doubles when an ``add``
 finds it full and keeps its size after ``take``. ``take`` copies nothing: it reads the
-first ``2**ceil(log2(pending))`` rows in place (at least 4; the whole buffer beyond
-1024 pending) and reduces them in O(rows) per element; its only other memory is the
-float32 result and the compiled function's per-element temporaries. With
+first ``2**ceil(log2(pending))`` contributions in place (at least 4; the whole buffer
+beyond 1024 pending) and reduces them in O(contributions) per element; its only other
+memory is the result and the compiled function's per-element temporaries. With
 ``deterministic=False`` the state is one float32 (float64 for float64 variables)
 running sum per element, contributions are added in arrival order and the last bits
 may depend on that order.
@@ -62,7 +66,13 @@ from safevars.accumulator.commit import _Commit
 from safevars.accumulator.contributions import _Contributions
 from safevars.accumulator.placement import _Placement, _state_device
 from safevars.accumulator.replicas import _Replicas
-from safevars.accumulator.state import _Helpers, _Slot, _slot
+from safevars.accumulator.state import (
+    _block_layout,
+    _flat_layout,
+    _Helpers,
+    _Slot,
+    _slot,
+)
 from safevars.accumulator.statistics import _NUM_COUNTERS, _PENDING, AccumulatorStatistics
 from safevars.accumulator.take import _Take
 from safevars.distribute import check_strategy, on_parameter_server
@@ -123,8 +133,8 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
       ``add``, ``take``, ``take_if_ready`` and ``reset`` are atomic with respect to each
       other in every thread, eagerly and inside ``tf.function``s: a contribution is taken
       exactly once or discarded by ``reset``, never lost or counted twice. The gradient
-      arithmetic of ``add`` runs outside the lock; only the commit (a row copy or an
-      ``assign_add``) holds it. ``take`` holds it while it reads the pending state: a
+      arithmetic of ``add`` runs outside the lock; only the commit (a copy of the
+      contribution into free buffer rows, or an ``assign_add``) holds it. ``take`` holds it while it reads the pending state: a
       deterministic accumulator reduces the rows in place then (one compiled pass, no
       copy); ``deterministic=False`` copies the running sum and divides after.
 
@@ -198,6 +208,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         self._helpers = _Helpers(leaves, tf.nest.map_structure(lambda _: 0, variables))
         self._slots = tuple(slots)
         self._size = sum(s.size for s in slots)
+        self._layout = _block_layout(self._slots) if deterministic else _flat_layout(self._slots)
         if any(s.dtype == tf.float64 for s in self._slots):
             if deterministic:
                 names = [s.name for s in self._slots if s.dtype == tf.float64]
@@ -221,8 +232,9 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                 # aborts a worker that receives a handle to a remote variable whose
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
+                # One block of layout.chunks rows of layout.width elements per contribution.
                 self._state = resource_variable_ops.ResourceVariable(
-                    tf.zeros([rows, self._size], tf.float32),
+                    tf.zeros([rows * self._layout.chunks, self._layout.width], tf.float32),
                     trainable=False,
                     name=f"{prefix}_rows",
                     shape=tf.TensorShape(None),
@@ -280,9 +292,10 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
     def state_bytes(self) -> int:
         """Bytes of accumulation state now (eager).
 
-        Deterministic: 4 × buffer rows per element (rows >= the most contributions ever
-        pending at once, at least ``max(num_required, 4)``). Otherwise 4 (8 for float64)
-        per element.
+        Deterministic: 4 bytes per element per contribution the buffer has room for (at
+        least ``max(num_required, 4)``, and the most ever pending at once), plus the
+        padding of a contribution's last row (fewer than 1,024 elements, and only when
+        some gradient has at least 65,536). Otherwise 4 (8 for float64) per element.
         """
         return int(np.prod(self._rows_shape().numpy())) * self._state.dtype.size
 

@@ -58,7 +58,10 @@ class _Replicas(_AccumulatorBase):
         if by_element:
             ints.append(tf.reshape(tf.size(part.values, out_type=tf.int64), [1]))
         ints.extend(tf.reshape(tf.cast(v, tf.int64), [1]) for v in versions)
-        local = [tf.concat(ints, 0)[None], part.values if by_element else part.values[None]]
+        values = part.values
+        if isinstance(values, tuple):  # a deterministic block's pieces: the block, flat
+            values = tf.concat([tf.reshape(p, [-1]) for p in values], 0)
+        local = [tf.concat(ints, 0)[None], values if by_element else values[None]]
         if by_element:
             local.append(part.elements)
         gathered = ctx.all_gather(local, axis=0)

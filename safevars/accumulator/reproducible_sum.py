@@ -1,9 +1,10 @@
 """The reproducible summation behind ``GradientAccumulator(deterministic=True)``.
 
 How determinism is achieved (``deterministic=True``):
-  ``add`` stores each contribution as one float32 row of a ``[capacity, elements]``
-  buffer (float16 and bfloat16 widen to float32 exactly), at the next free row: one
-  copy, no arithmetic. ``take`` reduces the pending rows with a two-level *reproducible
+  ``add`` stores each contribution as one float32 block of a buffer (float16 and
+  bfloat16 widen to float32 exactly), at the next free block: one copy, no arithmetic
+  (a block is one row, or for large gradients several rows; :mod:`.state`). Here a
+  "row" is one contribution's block. ``take`` reduces the pending rows with a two-level *reproducible
   summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point Summation",
   ARITH 2013): for each element, with ``M`` the largest magnitude among its values (a
   maximum does not depend on order), every value is split exactly into a multiple of a

@@ -2,8 +2,11 @@
 
 Every variable's gradients live in one flat vector: a :class:`_Slot` per variable says
 where (offset and size), with its dtype and, for a SafeVariable, its guard (whose
-version the staleness check reads). A contribution on its way from ``add`` to the
-commit is a :class:`_Part`. Python structures (the variables, their nesting, the
+version the staleness check reads). A deterministic accumulator stores each
+contribution as one block of ``_CHUNK``-element buffer rows, laid out by a
+:class:`_Layout` so that large gradients are written straight from the caller's tensor
+(no copy into a contribution vector first). A contribution on its way from ``add`` to
+the commit is a :class:`_Part`. Python structures (the variables, their nesting, the
 compiled helpers) live in an untracked :class:`_Helpers`, because ``tf.Module`` would
 wrap them.
 
@@ -28,6 +31,12 @@ from safevars.errors import DTypeMismatchError, InvalidArgumentError
 from safevars.locking import Guard
 
 _NARROW_FLOATS = (tf.float16, tf.bfloat16, tf.float32)
+# Elements per row of a deterministic accumulator's buffer.
+_CHUNK = 1024
+# Gradients of at least this many elements are stored with a scatter of their own,
+# straight from the gradient tensor; smaller ones (and the large ones' last partial
+# row) are packed into one block first, where one copy costs less than an op each.
+_DIRECT = 64 * 1024
 
 
 class _Slot(NamedTuple):
@@ -47,7 +56,10 @@ class _Part(NamedTuple):
 
     ``values`` is a flat float32 (or float64) vector; ``elements`` holds the element
     each value belongs to, or is None when ``values`` covers every element in order
-    (always the case for deterministic accumulators, which store whole rows).
+    (always the case for deterministic accumulators, which store whole rows). For a
+    deterministic accumulator ``values`` is a tuple of ``[rows, width]`` pieces, in
+    the order of :attr:`_Layout.firsts`, or (after an all-gather) the whole block as
+    one flat vector of ``chunks * width`` elements.
     """
 
     elements: tf.Tensor | None
@@ -55,6 +67,83 @@ class _Part(NamedTuple):
     finite: bool | tf.Tensor
     version_kind: str
     version: Any
+
+
+class _Layout(NamedTuple):
+    """How a deterministic accumulator lays out one contribution in its buffer.
+
+    A contribution occupies ``chunks`` consecutive buffer rows of ``width`` elements
+    (its *block*). A gradient of at least ``_DIRECT`` elements fills whole rows of its
+    own (``direct``), reshaped in place; the remaining values (small gradients and the
+    large ones' last ``size % _CHUNK``) are concatenated, zero-padded to whole rows and
+    placed after them (``packed``). Only the padding is extra memory: fewer than
+    ``_CHUNK`` elements per contribution, none when no gradient is stored directly (then
+    a block is one row of the whole contribution).
+    """
+
+    width: int  # elements per buffer row
+    chunks: int  # rows per contribution
+    direct: tuple[tuple[int, int, int], ...]  # (slot position, first row, rows)
+    packed: tuple[tuple[int, int, int], ...]  # (slot position, first element, length)
+    packed_first: int  # row where the packed values start
+    packed_rows: int
+    # Per slot: (start in the flattened block, length) of its values, in element order.
+    segments: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def firsts(self) -> tuple[int, ...]:
+        """The first row of each piece of a contribution (direct ones, then packed)."""
+        return tuple(d[1] for d in self.direct) + (self.packed_first,)
+
+
+def _flat_layout(slots: tuple[_Slot, ...]) -> _Layout:
+    """The running sum's layout: each slot's values at its offset (no blocks)."""
+    segments = tuple(((s.offset, s.size),) for s in slots)
+    return _Layout(
+        width=0,
+        chunks=0,
+        direct=(),
+        packed=(),
+        packed_first=0,
+        packed_rows=0,
+        segments=segments,
+    )
+
+
+def _block_layout(slots: tuple[_Slot, ...]) -> _Layout:
+    """The block layout of a deterministic accumulator's contributions.
+
+    Rows are ``_CHUNK`` elements wide if some gradient is stored directly; otherwise a
+    block is one row holding the whole contribution (no padding).
+    """
+    width = _CHUNK if any(s.size >= _DIRECT for s in slots) else max(sum(s.size for s in slots), 1)
+    direct, packed = [], []
+    row = 0
+    for slot in slots:
+        rows = slot.size // _CHUNK if slot.size >= _DIRECT else 0
+        if rows:
+            direct.append((slot.position, row, rows))
+            row += rows
+        if slot.size > rows * _CHUNK:
+            packed.append((slot.position, rows * _CHUNK, slot.size - rows * _CHUNK))
+    packed_elements = sum(p[2] for p in packed)
+    packed_rows = max(-(-packed_elements // width), 1)
+    segments: list[list[tuple[int, int]]] = [[] for _ in slots]
+    for position, first, rows in direct:
+        segments[position].append((first * width, rows * width))
+    start = row * width
+    for position, _, length in packed:
+        segments[position].append((start, length))
+        start += length
+    return _Layout(
+        width=width,
+        chunks=row + packed_rows,
+        direct=tuple(direct),
+        packed=tuple(packed),
+        packed_first=row,
+        packed_rows=packed_rows,
+        segments=tuple(tuple(s) for s in segments),
+    )
 
 
 class _Helpers:
@@ -93,6 +182,7 @@ class _AccumulatorBase:
     _helpers: _Helpers
     _slots: tuple[_Slot, ...]
     _size: int
+    _layout: _Layout  # deterministic: the block layout; otherwise one segment per slot
     _sum_dtype: tf.DType
     _state: Any  # a ResourceVariable: the rows buffer or the running sum
     _counters: Any  # a ResourceVariable: the int64 counters (statistics.py)

@@ -154,12 +154,15 @@ class _Take(_AccumulatorBase):
         self._counters.assign_add(delta, read_value=False)
         return state, pending
 
-    def _reduce_rows(self, pending: int | tf.Tensor) -> tuple[tf.Tensor, ...]:
-        """The reduced pending rows, one tensor per variable (lock held; deterministic).
+    def _reduce_rows(self, pending: int | tf.Tensor) -> tf.Tensor:
+        """The reduced pending contributions, flat (lock held; deterministic).
 
         One XLA-compiled function reads the row buffer in place (no copy), reduces its
-        first ``pending`` rows with :func:`_reproducible_sum`, divides and splits the
-        result by variable. It reads the first ``rows`` rows of the buffer, ``rows``
+        first ``pending`` blocks with :func:`_reproducible_sum`, divides and casts
+        (:meth:`_divide`); :meth:`_finish` cuts the result into the variables' tensors
+        outside it (slices of one tensor, without copies: cutting inside the compiled
+        function made XLA write every piece out separately, which cost as much as the
+        reduction). It reads the first ``rows`` rows of the buffer, ``rows``
         the power of two at or above ``pending`` (at least ``_GROUP`` of
         :mod:`.reproducible_sum`): the shape of an empty ``[rows, 0]`` tensor passed to
         it, so one trace serves every count and XLA compiles once per power of two that
@@ -179,10 +182,13 @@ class _Take(_AccumulatorBase):
             pending = tf.constant(count, tf.int64)
         return self._helpers.reduce(tf.zeros(shape, tf.float32), pending)
 
-    def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        buffer = tf.reshape(self._state.read_value(), [-1, self._size])
+    def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
+        # One contribution's block per row: [capacity, chunks * width].
+        buffer = tf.reshape(
+            self._state.read_value(), [-1, self._layout.chunks * self._layout.width]
+        )
         rows = buffer[: tf.shape(marker)[0]]  # or fewer, if the buffer is smaller
-        return self._split(_reproducible_sum(rows, count), count)
+        return self._divide(_reproducible_sum(rows, count), count)
 
     def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
         if required is None:
@@ -211,7 +217,7 @@ class _Take(_AccumulatorBase):
                 if not self._deterministic:
                     state = self._state.read_value()
                 elif conditional:
-                    state = tf.cond(ready, lambda: self._reduce_rows(pending), self._zeros)
+                    state = tf.cond(ready, lambda: self._reduce_rows(pending), self._flat_zeros)
                 else:
                     state = self._reduce_rows(pending)
 
@@ -248,13 +254,18 @@ class _Take(_AccumulatorBase):
     def _zeros(self) -> tuple[tf.Tensor, ...]:
         return tuple(tf.zeros(s.shape, s.dtype) for s in self._slots)
 
+    def _flat_zeros(self) -> tf.Tensor:
+        """What ``_reduce_rows`` returns, for nothing taken."""
+        return tf.zeros([self._layout.chunks * self._layout.width], self._result_dtype())
+
     def _finish(self, state: Any, pending: int | tf.Tensor) -> Any:
         """Reduced gradients from a state read by take (outside the lock).
 
-        A deterministic accumulator's state was reduced under the lock already.
+        A deterministic accumulator's state was reduced (and divided) under the lock
+        already; it is only cut into the variables' tensors.
         """
         if self._deterministic:
-            flat = state
+            flat = self._cut(state)
         else:
             pending = tf.convert_to_tensor(pending, tf.int64)
             math = self._helpers.finish if tf.executing_eagerly() else self._finish_math
@@ -262,19 +273,29 @@ class _Take(_AccumulatorBase):
         return tf.nest.pack_sequence_as(self._helpers.structure, list(flat))
 
     def _finish_math(self, state: tf.Tensor, pending: tf.Tensor) -> tuple:
-        return self._split(state, pending)
+        return self._cut(self._divide(state, pending))
 
-    def _split(self, total: tf.Tensor, pending: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        """The flat sum divided for "mean", cut into one tensor per variable."""
+    def _result_dtype(self) -> tf.DType:
+        """The dtype of a deterministic :meth:`_divide`'s result: the variables' one if
+        they share it, else float64 (each slot is cast once, in :meth:`_cut`)."""
+        dtypes = {slot.dtype for slot in self._slots}
+        return dtypes.pop() if len(dtypes) == 1 else tf.float64
+
+    def _divide(self, total: tf.Tensor, pending: tf.Tensor) -> tf.Tensor:
+        """The flat sum divided for "mean", cast to the variables' dtype if they share
+        one (a cast rounds each element alone, so casting the whole is the same)."""
         if self._reduction == "mean":
             divisor = tf.cast(tf.maximum(pending, 1), total.dtype)
             total = total / divisor
         dtypes = {slot.dtype for slot in self._slots}
-        if len(dtypes) == 1:  # one cast of the whole (a cast rounds each element alone)
-            total = tf.cast(total, dtypes.pop())
+        return tf.cast(total, dtypes.pop()) if len(dtypes) == 1 else total
+
+    def _cut(self, total: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        """The flat result cut into one tensor per variable, in its dtype."""
         out = []
-        for slot in self._slots:
-            piece = total[slot.offset : slot.offset + slot.size]
+        for slot, segments in zip(self._slots, self._layout.segments):
+            parts = [total[start : start + length] for start, length in segments]
+            piece = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
             out.append(tf.reshape(tf.cast(piece, slot.dtype), slot.shape))
         return tuple(out)
 
