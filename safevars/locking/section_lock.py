@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
 from safevars.distribute import on_parameter_server
 from safevars.errors import LockReentryError, UnsupportedStrategyError
 from safevars.locking.acquisition import _mutex_lock, _take
@@ -55,6 +56,7 @@ class SectionLock:
         "_where",
         "runtime",
         "cs",
+        "gate",
         "graph_uses",
         "takeovers",
         "contended",
@@ -74,6 +76,7 @@ class SectionLock:
         self._where = ""
         self.runtime = False
         self.cs: Any = None
+        self.gate: Any = None  # Run-time mode: the variable whose read opens a section.
         self.graph_uses = 0
         self.takeovers = 0
         self.contended = 0  # Snapshots left that skip the optimistic read (snapshot.py).
@@ -155,6 +158,12 @@ class SectionLock:
                     name=self.names[0].split(":")[0] + "_safevars_lock",
                     shared_name=f"safevars_lock_{uuid.uuid4().hex}",
                 )
+                self.gate = tfi.ResourceVariable(
+                    initial_value=tf.constant(0, tf.int32),
+                    trainable=False,
+                    name=self.names[0].split(":")[0] + "_safevars_gate",
+                    shape=(),
+                )
             for guard in _guards_of_lock(self):
                 guard.version_var.assign(guard._version, read_value=False)
             self.runtime = True
@@ -166,6 +175,7 @@ class SectionLock:
             if self.runtime and self.graph_uses == 0:
                 self.runtime = False
                 self.cs = None
+                self.gate = None
 
     def held_record(self, now: float) -> HeldLock | None:
         slot = self._slot
