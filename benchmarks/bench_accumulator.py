@@ -22,17 +22,24 @@ Variants:
   goal: at most 1.10× the baseline per micro-step, for both models).
 * ``GradientAccumulator(deterministic=False)``: the same with a float32 running sum.
 
-Where the extra time of ``deterministic=True`` goes: each ``add`` copies the gradients
-into a buffer row (a scatter, as cheap as the running sum's ``assign_add``, plus a
-capacity check); each ``take`` runs one XLA-compiled pass over the K pending rows, in
-place (the reproducible summation of :mod:`safevars.accumulator.reproducible_sum`). Both
-accumulator variants also pay for flattening the gradients and one critical section per
-call.
+Where the extra time of ``deterministic=True`` goes (measured on one core with other
+processes running, per K = 4 micro-steps, after the block layout of
+:mod:`safevars.accumulator.state`): each ``add`` copies the gradients into the
+contribution's block of the buffer, gradients of at least 65,536 elements straight
+from the gradient tensor with a scatter of their own (mlp2x1024: about 0.16-0.23 ms
+for the 1M-element layer, as much as an ``assign_add`` of it; mlp2x128 has no such
+gradient and packs its 26K elements into one row, as before); each ``take`` runs one
+XLA-compiled pass over the K pending blocks, in place (the reproducible summation of
+:mod:`safevars.accumulator.reproducible_sum`: about 1.1-1.5 ms for mlp2x1024, 60 µs
+for mlp2x128), and cuts the flat result into the variables' tensors outside it, as
+views. Both accumulator variants also pay for one critical section per call and
+mlp2x128's concatenation of its small gradients.
 
 ``params`` records the memory cost of ``deterministic=True``: bytes of accumulation state
-for each variant; the deterministic buffer holds one float32 row per pending
-contribution (here K = 4 rows, 16 bytes per gradient element, against 4 for the float32
-running sum and for Keras' accumulators).
+for each variant; the deterministic buffer holds one float32 block per pending
+contribution (here K = 4 blocks, 16 bytes per gradient element, plus under 4 KiB of
+padding per block for mlp2x1024, against 4 bytes per element for the float32 running
+sum and for Keras' accumulators).
 """
 
 from __future__ import annotations
@@ -179,7 +186,7 @@ def _case(ctx: Context, spec: Model) -> Case:
             "state_bytes_keras": parameters * 4,
             "state_bytes_deterministic": exact_bytes,
             "state_bytes_float": float_bytes,
-            "bytes_per_element_deterministic": exact_bytes // parameters,
+            "bytes_per_element_deterministic": round(exact_bytes / parameters, 3),
             "bytes_per_element_float": float_bytes // parameters,
         },
         goal=None if spec.goal is None else ("GradientAccumulator", spec.goal),
