@@ -35,6 +35,10 @@ def _ancestors(op):
     return seen
 
 
+def _lock_consumers(lock):
+    return {c for out in lock.outputs for c in out.consumers()} | set(lock._control_outputs)
+
+
 def _traced_step():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
@@ -72,13 +76,32 @@ def test_the_step_waits_for_one_gate_not_for_the_mutex_lock():
     graph, _, _ = _traced_step()
     ops = graph.get_operations()
     (lock,) = [op for op in ops if op.type == "MutexLock"]
-    consumers = {c for out in lock.outputs for c in out.consumers()} | set(lock._control_outputs)
+    consumers = _lock_consumers(lock)
     gates = [op for op in consumers if op.type != "ConsumeMutexLock"]
     assert [op.type for op in gates] == ["VarIsInitializedOp"]
     (gate,) = gates
     assert gate.control_inputs == [lock]
     # Nothing else of the section is made ready by the MutexLock's (async) completion.
     assert {op.type for op in consumers} == {"VarIsInitializedOp", "ConsumeMutexLock"}
+
+
+def test_writes_joined_into_one_section_also_wait_for_the_gate():
+    """Lock coarsening: later writes join the first one's section through its gate."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def three_writes():
+        for _ in range(3):
+            v.assign_add(1.0, read_value=False)
+
+    graph = three_writes.get_concrete_function().graph
+    (lock,) = [op for op in graph.get_operations() if op.type == "MutexLock"]
+    assert {op.type for op in _lock_consumers(lock)} == {"VarIsInitializedOp", "ConsumeMutexLock"}
+    writes = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
+    assert len(writes) == 6  # three writes and their versions, all behind the lock
+    assert all(lock in _ancestors(write) for write in writes)
+    three_writes()
+    assert float(v.numpy()) == 3.0 and v.version == 3
 
 
 def test_four_threads_of_a_traced_read_then_write_and_step_stay_exact():
