@@ -38,11 +38,11 @@ model variable and the optimizer's state) and adds 1 to every variable's version
 All run on ``ctx.device``; data are generated once with a fixed seed.
 
 Where the extra time goes (ablations of the deep step, one loaded core): one
-``MutexLock`` / ``ConsumeMutexLock`` pair, now about 0.05 ms because the step's ops wait
+``MutexLock`` / ``ConsumeMutexLock`` pair, now 0.06-0.2 ms because the step's ops wait
 for one gate op after the ``MutexLock`` (waiting on the async ``MutexLock`` directly cost
-0.15-0.4 ms: the executor hands each op it makes ready to its thread pool as a task of
-its own), and one int64 add per variable version plus one for the counters, about 0.2 ms
-on the deep model (53 kernels). Waiting for every gradient before the lock measured as
+0.13-0.16 ms more: the executor hands each op it makes ready to its thread pool as a task
+of its own), and one int64 add per variable version plus one for the counters, 0.15-0.3
+ms on the deep model (53 kernels; one add on a vector instead saved 0.1 ms in a mock-up). Waiting for every gradient before the lock measured as
 free on one core. Two plain-Adam models built alike differed by up to 5% in one A/B run
 here, so a single run's ratio carries about that much noise on this 2-core machine.
 """
