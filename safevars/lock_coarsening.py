@@ -5,7 +5,8 @@ Eight ``v.assign_add(d)`` in a traced function are eight critical sections, each
 hands every acquisition to a thread pool, which costs more than a small write. When a
 section follows one traced just before it on exactly the same locks, it joins that
 section instead: its ops run under the earlier section's lock (control dependencies on
-its ``MutexLock`` ops) and the earlier release waits for them too. Other threads then
+the op that opens it, the gate after its ``MutexLock`` ops) and the earlier release waits
+for them too. Other threads then
 see both writes or neither, which is stronger than what separate sections promise, and
 the lock is taken once.
 
@@ -88,7 +89,7 @@ class OpenSection:
 
     locks: tuple[SectionLock, ...]
     thread: threading.Thread
-    tokens: list[tf.Tensor]  # the MutexLock outputs
+    tokens: list[tf.Tensor]  # what a joining body waits for: the gate (sections._mutex_locks)
     releases: list[Any]  # the ConsumeMutexLock ops
     end: int  # how many ops the graph had when the section's results were made
 
