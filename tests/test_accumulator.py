@@ -112,6 +112,25 @@ class TestConstruction:
         assert acc.state_bytes == 16 * 30 * 4  # doubled twice, rows kept
         np.testing.assert_array_equal(acc.take()[0], np.full([10, 3], 36.0))
 
+    def test_buffer_grows_in_a_function_through_one_if_kernel(self):
+        # The growth check of a traced add stays one If op at run time (not lowered
+        # to Switch/Merge, whose untaken branch the executor visits at every add).
+        v = tf.Variable(tf.zeros([10, 3]))
+        acc = GradientAccumulator([v], reduction="sum")
+
+        @tf.function(autograph=False)
+        def add(x):
+            return acc.add([x])
+
+        for i in range(9):
+            assert as_int(add(tf.fill([10, 3], float(i)))) == 1
+        assert acc.state_bytes == 16 * 30 * 4  # doubled twice, rows kept
+        np.testing.assert_array_equal(acc.take()[0], np.full([10, 3], 36.0))
+        graph = add.get_concrete_function(tf.TensorSpec([10, 3])).graph
+        conds = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        assert len(conds) == 1
+        assert conds[0].get_attr("_lower_using_switch_merge") is False
+
     def test_state_is_not_mirrored_under_strategy_scope(self, mirrored_strategy):
         with mirrored_strategy.scope():
             v = tf.Variable(tf.zeros([2]))
