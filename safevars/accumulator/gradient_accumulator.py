@@ -62,6 +62,7 @@ import tensorflow as tf
 
 from safevars._tf_internal import resource_variable_ops
 from safevars._validation import check_bool, check_choice, check_int
+from safevars.accumulator import state as accumulator_state
 from safevars.accumulator.commit import _Commit
 from safevars.accumulator.contributions import _Contributions
 from safevars.accumulator.placement import _Placement, _state_device
@@ -209,6 +210,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         self._slots = tuple(slots)
         self._size = sum(s.size for s in slots)
         self._layout = _block_layout(self._slots) if deterministic else _flat_layout(self._slots)
+        self._fused_add = not deterministic and self._size >= accumulator_state._FUSED_ADD
         if any(s.dtype == tf.float64 for s in self._slots):
             if deterministic:
                 names = [s.name for s in self._slots if s.dtype == tf.float64]
@@ -260,6 +262,10 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         helpers = self._helpers
         helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
         helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
+        if self._fused_add:
+            helpers.add_pieces = tf.function(
+                self._add_pieces_math, autograph=False, jit_compile=True
+            )
         if deterministic:
             helpers.reduce = tf.function(
                 self._reduce_math,
