@@ -194,9 +194,18 @@ class _Commit(_AccumulatorBase):
         """Scatters each contribution's pieces to block ``pending + offset`` (lock held)."""
         chunks = self._layout.chunks
         for pieces, offset in zip(blocks, offsets):
-            base = (tf.cast(pending, tf.int64) + offset) * chunks
+            # No op for what adds nothing (offset 0, one row per block, a one-row piece):
+            # each op of a traced add costs executor time at every call.
+            base = tf.cast(pending, tf.int64)
+            if not (isinstance(offset, int) and offset == 0):
+                base += offset
+            if chunks != 1:
+                base *= chunks
             for first, piece in pieces:
-                rows = tf.range(first, first + piece.shape[0], dtype=tf.int64) + base
+                if piece.shape[0] == 1:
+                    rows = tf.reshape(base + first if first else base, [1])
+                else:
+                    rows = tf.range(first, first + piece.shape[0], dtype=tf.int64) + base
                 gen_resource_variable_ops.resource_scatter_update(self._state.handle, rows, piece)
 
     def _rows_shape(self) -> tf.Tensor:

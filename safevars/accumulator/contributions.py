@@ -369,7 +369,10 @@ class _Contributions(_AccumulatorBase):
             if rows * layout.width < self._slots[position].size:
                 flat = flat[: rows * layout.width]
             pieces.append(tf.reshape(flat, [rows, layout.width]))
-        packed = [flats[p][first : first + length] for p, first, length in layout.packed]
+        packed = [
+            flats[p] if first == 0 and length == self._slots[p].size else flats[p][first:]
+            for p, first, length in layout.packed
+        ]
         padding = layout.packed_rows * layout.width - sum(p[2] for p in layout.packed)
         if padding:
             packed.append(tf.zeros([padding], tf.float32))
