@@ -42,10 +42,13 @@ NOTES:
     committed; a concurrent optimizer step may commit a moment later. The decision is
     exact for the accumulator's own version (the number of ``take`` calls).
   * The buffer does not shrink: a burst of adds without ``take`` keeps its memory.
-  * ``take`` of a deterministic accumulator runs an XLA-compiled function; TensorFlow
-    builds without XLA's JIT cannot run it. It runs under the lock (it reads the rows
-    in place), so the first ``take`` for each power of two of pending rows also holds
-    the lock while XLA compiles (a fraction of a second).
+  * ``take`` of a deterministic accumulator runs an XLA-compiled function, and so does
+    ``add`` of a running sum (``deterministic=False``) of at least 262,144 elements
+    with dense gradients (it adds them to the sum where they are, without
+    concatenating them first); TensorFlow builds without XLA's JIT cannot run them.
+    They run under the lock, so the first ``take`` for each power of two of pending
+    rows, and the first such ``add``, also hold the lock while XLA compiles (a
+    fraction of a second).
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
     supported (see "Strategies" in :class:`GradientAccumulator`); under
     ``ParameterServerStrategy`` the accumulator must be created in the strategy's
