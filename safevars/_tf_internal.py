@@ -183,6 +183,12 @@ def in_xla_context(graph=None) -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())
 
 
+def keep_cond_as_kernel(op) -> None:
+    """Runs a ``tf.cond``'s ``If`` op as one kernel, not lowered to ``Switch``/``Merge``
+    (``Operation._set_attr``; TensorFlow's own control-flow code sets this attribute)."""
+    op._set_attr("_lower_using_switch_merge", tf.compat.v1.AttrValue(b=False))
+
+
 def read_eagerly(variable, handle, dtype):
     """An eager read of a plain resource variable: ``read_value`` without its Python
     overhead and its extra identity op (gradient tapes still see the read)."""

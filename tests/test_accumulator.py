@@ -247,6 +247,60 @@ class TestBlockLayout:
         small = GradientAccumulator([tf.Variable(tf.zeros([5, 7])), tf.Variable(tf.zeros([3]))])
         assert (small._layout.chunks, small._layout.width) == (1, 38)  # one row, no padding
 
+    @staticmethod
+    def _pre_block_checkpoint(path, rows):
+        """A checkpoint as safevars 0.1 wrote it: one row per pending contribution."""
+
+        class Old(tf.Module):  # the accumulator's tracked names
+            def __init__(self):
+                super().__init__()
+                buffer = np.zeros([4, rows.shape[1]], np.float32)
+                buffer[: len(rows)] = rows
+                self._state = tf.Variable(buffer)
+                pending = len(rows)
+                self._counters = tf.Variable(np.array([pending, pending, 0, 0, 0, 0, 0, 0]))
+
+        return tf.train.Checkpoint(acc=Old()).write(path)
+
+    def test_a_checkpoint_of_the_row_layout_restores_its_pending_contributions(self, tmp_path):
+        rng = np.random.default_rng(0)
+        kernel = rng.normal(size=[257, 256]).astype(np.float32)  # direct rows + a tail
+        bias = rng.normal(size=[3]).astype(np.float32)
+        later = [kernel * 2.0, bias - 1.0]
+        path = self._pre_block_checkpoint(
+            str(tmp_path / "old"), np.concatenate([kernel.ravel(), bias])[None]
+        )
+        variables = [tf.Variable(tf.zeros([257, 256])), tf.Variable(tf.zeros([3]))]
+        acc = GradientAccumulator(variables)
+        assert acc._layout.chunks > 1  # the layouts differ
+        tf.train.Checkpoint(acc=acc).read(path).assert_consumed()
+        assert acc.count == 1
+        acc.add(later)
+        expected = GradientAccumulator(variables)
+        expected.add([kernel, bias])
+        expected.add(later)
+        for got, want in zip(acc.take(), expected.take()):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+    def test_a_graph_mode_restore_converts_when_the_shape_is_known_at_run_time(self):
+        variables = [tf.Variable(tf.zeros([256, 256])), tf.Variable(tf.zeros([5]))]
+        acc = GradientAccumulator(variables)
+        block = acc._state.read_value()
+        row = np.arange(256 * 256 + 5, dtype=np.float32)[None]
+        key = "VARIABLE_VALUE"
+
+        @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)], autograph=False)
+        def restore(rows):
+            acc._state._restore_from_tensors({key: rows})
+
+        restore(row)  # old layout: converted
+        converted = acc._state.numpy()
+        kernel_rows = 256 * 256 // acc._layout.width
+        np.testing.assert_array_equal(converted[:kernel_rows].ravel(), row[0, : 256 * 256])
+        np.testing.assert_array_equal(converted[kernel_rows, :5], row[0, 256 * 256 :])
+        restore(block)  # the block layout: as it is
+        np.testing.assert_array_equal(acc._state.numpy(), block.numpy())
+
     def test_memory_cost_with_large_gradients(self):
         v = tf.Variable(tf.zeros([256, 1024]))
         b = tf.Variable(tf.zeros([10]))

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _Layout, _Part
@@ -250,7 +251,7 @@ def _keep_as_kernel(result: tf.Tensor) -> None:
     op = result.op
     for _ in range(4):  # the cond's output is an Identity of the If op's
         if op.type in ("If", "StatelessIf"):
-            op._set_attr("_lower_using_switch_merge", tf.compat.v1.AttrValue(b=False))
+            tfi.keep_cond_as_kernel(op)
             return
         if not op.inputs:
             return

@@ -74,6 +74,7 @@ from safevars.accumulator.state import (
     _block_layout,
     _flat_layout,
     _Helpers,
+    _RowsVariable,
     _Slot,
     _slot,
 )
@@ -238,12 +239,13 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
                 # One block of layout.chunks rows of layout.width elements per contribution.
-                self._state = resource_variable_ops.ResourceVariable(
+                self._state = _RowsVariable(
                     tf.zeros([rows * self._layout.chunks, self._layout.width], tf.float32),
                     trainable=False,
                     name=f"{prefix}_rows",
                     shape=tf.TensorShape(None),
                 )
+                self._state._set_layout(self._layout, self._size)
             else:
                 self._state = resource_variable_ops.ResourceVariable(
                     tf.zeros([self._size], self._sum_dtype),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from safevars._tf_internal import resource_variable_ops
 from safevars._validation import short
 from safevars.errors import DTypeMismatchError, InvalidArgumentError
 from safevars.locking import Guard
@@ -153,6 +154,50 @@ def _block_layout(slots: tuple[_Slot, ...]) -> _Layout:
         packed_rows=packed_rows,
         segments=tuple(tuple(s) for s in segments),
     )
+
+
+def _block_columns(layout: _Layout, size: int) -> np.ndarray:
+    """For each element of a flattened block, the element of the contribution it holds
+    (``size`` for padding): a block is ``gather(contribution, columns)``."""
+    columns = np.full(layout.chunks * layout.width, size, np.int64)
+    offset = 0
+    for segments in layout.segments:
+        for start, length in segments:
+            columns[start : start + length] = np.arange(offset, offset + length)
+            offset += length
+    return columns
+
+
+class _RowsVariable(resource_variable_ops.ResourceVariable):
+    """A deterministic accumulator's buffer, which also restores pre-block checkpoints.
+
+    Up to safevars 0.1 a pending contribution was one row of all ``size`` elements; with
+    the block layout (:func:`_block_layout`) a model with a large gradient stores it as
+    ``chunks`` rows of ``width``. A checkpoint written with contributions pending in the
+    old layout is converted when restored (every row becomes its block), so training
+    resumes with the same pending contributions and the same result.
+    """
+
+    def _set_layout(self, layout: _Layout, size: int) -> None:
+        self._safevars_size = size
+        self._safevars_width = layout.width
+        self._safevars_columns = _block_columns(layout, size)
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+        key = next(iter(restored_tensors))
+        rows = restored_tensors[key]
+        size, width = self._safevars_size, self._safevars_width
+        if size != width:  # the layouts differ only with blocks of several rows
+
+            def to_blocks() -> tf.Tensor:
+                padded = tf.pad(rows, [[0, 0], [0, 1]])  # column ``size``: the padding
+                return tf.reshape(tf.gather(padded, self._safevars_columns, axis=1), [-1, width])
+
+            if rows.shape.rank == 2 and rows.shape[1] is not None:
+                rows = to_blocks() if rows.shape[1] == size else rows
+            else:  # a graph-mode restore: the shape is known when it runs
+                rows = tf.cond(tf.shape(rows)[-1] == size, to_blocks, lambda: rows)
+        return super()._restore_from_tensors({key: rows})
 
 
 class _Helpers:
