@@ -44,9 +44,10 @@ launch and pass per take: ~58 µs for 26K elements, of which ~21 µs the launch 
 ~1.5 ms per take (~375 µs per micro-step), about 0.45 ms of it arithmetic beyond a plain
 float64 sum of the same rows; each ``add``'s scatter copies the gradients (~110 µs per
 1M elements beyond an assignment that takes over the gradient's buffer, measured with
-``AssignVariableOp``). The running sum (``deterministic=False``) of mlp2x1024 adds each
-contribution with one compiled call reading the gradients where they are (a
-concatenated copy first, then ``assign_add``, cost ~0.5 ms more per add).
+``AssignVariableOp``). The running sum (``deterministic=False``) concatenates each
+contribution, then adds it with ``assign_add``. An XLA-compiled add reading the gradients where
+they are was 0.5 ms faster per add on one core, but 26 ms per add (75x slower) with two
+cores, so it was reverted.
 
 ``params`` records the memory cost of ``deterministic=True``: bytes of accumulation state
 for each variant; the deterministic buffer holds one float32 block per pending

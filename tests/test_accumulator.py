@@ -64,17 +64,6 @@ def layout(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["concat", "fused"])
-def fused(request, monkeypatch):
-    """Runs a test with both ways a running sum (deterministic=False) adds a dense
-    contribution: concatenated, then one assign_add (small models), or one compiled call
-    reading the gradients where they are (at least ``_FUSED_ADD`` elements; "fused"
-    lowers it so that the tests' small variables take that path)."""
-    if request.param == "fused":
-        monkeypatch.setattr(accumulator_state, "_FUSED_ADD", 1)
-    return request.param
-
-
 # ---------------------------------------------------------------------- construction
 
 
@@ -102,7 +91,6 @@ class TestConstruction:
         with pytest.raises(InvalidArgumentError):  # also a ValueError for old handlers
             GradientAccumulator([v], reduction="max")
 
-    @pytest.mark.usefixtures("fused")
     def test_float64_needs_deterministic_false(self):
         v = tf.Variable(tf.zeros([2], tf.float64))
         with pytest.raises(DTypeMismatchError, match="deterministic=False"):
@@ -149,78 +137,6 @@ class TestConstruction:
             acc = GradientAccumulator([v])
         assert not isinstance(acc._state, tf.distribute.DistributedValues)
         assert isinstance(v, tf.distribute.DistributedValues)
-
-
-class TestFusedRunningSum:
-    """A running sum of at least ``_FUSED_ADD`` elements adds each dense contribution
-    with one compiled call, without concatenating the gradients first."""
-
-    SHAPES = ([3, 4], [5], [2, 2])
-
-    def contributions(self) -> list[list]:
-        rng = np.random.default_rng(7)
-        out = []
-        for i in range(6):
-            grads: list = [
-                (rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 6, s)).astype(np.float32)
-                for s in self.SHAPES
-            ]
-            if i == 1:
-                grads[0] = tf.IndexedSlices(
-                    tf.constant(grads[0][:2]), tf.constant([2, 2]), tf.constant([3, 4])
-                )
-            if i == 2:
-                grads[1] = None
-            if i == 3:
-                grads[2][1, 1] = np.nan  # skipped
-            if i == 4:
-                grads[2] = grads[2].astype(np.float16)
-            out.append(grads)
-        return out
-
-    def run(self, mode, threshold: int, monkeypatch) -> tuple[bytes, ...]:
-        monkeypatch.setattr(accumulator_state, "_FUSED_ADD", threshold)
-        variables = [tf.Variable(tf.zeros(s)) for s in self.SHAPES]
-        acc = GradientAccumulator(
-            variables, deterministic=False, nonfinite="skip", max_staleness=0, on_stale="scale"
-        )
-        assert acc._fused_add == (threshold == 1)
-        acc.add([tf.zeros(s) for s in self.SHAPES])
-        acc.take()  # version 1: contributions from version 0 are scaled by 1/2
-        added = [
-            as_int(mode(lambda g, ver: acc.add(g, version=ver))(grads, tf.constant(i % 2)))
-            for i, grads in enumerate(self.contributions())
-        ]
-        assert added == [1, 1, 1, 0, 1, 1]
-        stats = acc.statistics()
-        assert (stats.pending, stats.rejected, stats.scaled) == (5, 1, 3)
-        return tuple(t.numpy().tobytes() for t in acc.take())
-
-    def test_fused_and_concatenated_adds_give_the_same_bits(self, mode, monkeypatch):
-        assert self.run(mode, 1, monkeypatch) == self.run(mode, 10**9, monkeypatch)
-
-    def test_a_traced_add_concatenates_nothing_outside_the_compiled_call(self, monkeypatch):
-        monkeypatch.setattr(accumulator_state, "_FUSED_ADD", 1)
-        variables = [tf.Variable(tf.zeros(s)) for s in self.SHAPES]
-        acc = GradientAccumulator(variables, deterministic=False)
-
-        @tf.function(autograph=False)
-        def add(*grads):
-            return acc.add(list(grads))
-
-        specs = [tf.TensorSpec(s) for s in self.SHAPES]
-        ops = add.get_concrete_function(*specs).graph.get_operations()
-        assert not [op for op in ops if op.type == "ConcatV2"]
-        assert not [
-            op for op in ops if op.type == "AssignAddVariableOp" and op.inputs[1].shape != [8]
-        ]
-        calls = [op for op in ops if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
-        assert len(calls) == 1 and calls[0].get_attr("_XlaMustCompile") is True
-        grads = [tf.ones(s) for s in self.SHAPES]
-        add(*grads)
-        add(*grads)
-        for out, s in zip(acc.take(), self.SHAPES):
-            np.testing.assert_array_equal(out, np.ones(s))
 
 
 class TestBlockLayout:
@@ -653,7 +569,6 @@ class TestConcurrency:
         stats = acc.statistics()
         assert stats.added == stats.taken == n and stats.pending == 0
 
-    @pytest.mark.usefixtures("fused")
     def test_graph_and_eager_adds_exclude_each_other(self):
         v = tf.Variable(tf.zeros([2]))
         acc = GradientAccumulator([v], reduction="sum", deterministic=False)
@@ -778,7 +693,6 @@ class TestStaleness:
 
     @pytest.mark.parametrize("deterministic", [True, False])
     @pytest.mark.usefixtures("layout")
-    @pytest.mark.usefixtures("fused")
     def test_scale_divides_by_staleness_plus_one_exactly(self, mode, deterministic):
         v = tf.Variable(tf.zeros([3]))
         acc = GradientAccumulator(
@@ -819,7 +733,6 @@ class TestStaleness:
         assert state(acc) == before
         assert acc.add([tf.ones([2])], version=1) == 1
 
-    @pytest.mark.usefixtures("fused")
     def test_scale_float_accumulator(self):
         v = tf.Variable(tf.zeros([1]))
         acc = GradientAccumulator(
@@ -901,7 +814,6 @@ class TestMixedPrecision:
 class TestCheckpoint:
     @pytest.mark.parametrize("deterministic", [True, False])
     @pytest.mark.usefixtures("layout")
-    @pytest.mark.usefixtures("fused")
     def test_resume_gives_the_same_result(self, tmp_path, deterministic):
         v = tf.Variable(tf.zeros([64]))
         grads = [tf.constant(g) for g in hard_contributions(6, 64, seed=5)]

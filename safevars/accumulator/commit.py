@@ -112,25 +112,15 @@ class _Commit(_AccumulatorBase):
             self._store_rows(kept)
             return
         dense, sparse_elements, sparse_values = [], [], []
-        pieces = []  # dense contributions as one flat vector per variable (_fused_add)
         for part, accept, scale, staleness in kept:
-            values = scale_stale_each(part.values, staleness, scale)
+            values = scale_stale(part.values, staleness, scale)
             if isinstance(accept, tf.Tensor):
-                values = tf.nest.map_structure(
-                    lambda v, a=accept: tf.where(a, v, tf.zeros_like(v)), values
-                )
-            if isinstance(values, tuple):
-                pieces.append(values)
-            elif part.elements is None:
+                values = tf.where(accept, values, tf.zeros_like(values))
+            if part.elements is None:
                 dense.append(values)
             else:
                 sparse_elements.append(part.elements)
                 sparse_values.append(values)
-        if pieces:
-            added = pieces[0]
-            for more in pieces[1:]:
-                added = tuple(a + b for a, b in zip(added, more))
-            self._helpers.add_pieces(*added)
         if dense:
             total = dense[0]
             for d in dense[1:]:
@@ -140,12 +130,6 @@ class _Commit(_AccumulatorBase):
             gen_resource_variable_ops.resource_scatter_add(
                 self._state.handle, _concat(sparse_elements), _concat(sparse_values)
             )
-
-    def _add_pieces_math(self, *pieces: tf.Tensor) -> tf.Tensor:
-        """Adds one flat vector per variable to the running sum, in one compiled pass
-        (XLA reads the pieces where they are: no concatenated copy). Lock held."""
-        self._state.assign_add(tf.concat(pieces, 0), read_value=False)
-        return tf.constant(True)
 
     def _store_rows(self, kept: list[tuple[_Part, Any, Any, Any]]) -> None:
         """Copies the accepted contributions to the next free blocks, growing if full.

@@ -339,14 +339,6 @@ class _Contributions(_AccumulatorBase):
                     tf.stack([tf.reduce_all(tf.math.is_finite(p)) for p in pieces])
                 )
             return None, pieces, finite, checks
-        finite = None
-        if self._fused_add and not by_element:
-            # One flat vector per variable, added by one compiled call (see _FUSED_ADD).
-            if self._nonfinite != "propagate":
-                finite = tf.reduce_all(
-                    tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values_list])
-                )
-            return None, tuple(values_list), finite, checks
         values = tf.concat(values_list, 0) if values_list else tf.zeros([0], self._sum_dtype)
         elements = None
         if by_element:

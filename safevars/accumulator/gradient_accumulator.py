@@ -42,13 +42,10 @@ NOTES:
     committed; a concurrent optimizer step may commit a moment later. The decision is
     exact for the accumulator's own version (the number of ``take`` calls).
   * The buffer does not shrink: a burst of adds without ``take`` keeps its memory.
-  * ``take`` of a deterministic accumulator runs an XLA-compiled function, and so does
-    ``add`` of a running sum (``deterministic=False``) of at least 262,144 elements
-    with dense gradients (it adds them to the sum where they are, without
-    concatenating them first); TensorFlow builds without XLA's JIT cannot run them.
-    They run under the lock, so the first ``take`` for each power of two of pending
-    rows, and the first such ``add``, also hold the lock while XLA compiles (a
-    fraction of a second).
+  * ``take`` of a deterministic accumulator runs an XLA-compiled function;
+    TensorFlow builds without XLA's JIT cannot run it. It runs under the lock, so the
+    first ``take`` for each power of two of pending rows also holds the lock while XLA
+    compiles (a fraction of a second).
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
     supported (see "Strategies" in :class:`GradientAccumulator`); under
     ``ParameterServerStrategy`` the accumulator must be created in the strategy's
@@ -65,7 +62,6 @@ import tensorflow as tf
 
 from safevars._tf_internal import resource_variable_ops
 from safevars._validation import check_bool, check_choice, check_int
-from safevars.accumulator import state as accumulator_state
 from safevars.accumulator.commit import _Commit
 from safevars.accumulator.contributions import _Contributions
 from safevars.accumulator.placement import _Placement, _state_device
@@ -214,7 +210,6 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         self._slots = tuple(slots)
         self._size = sum(s.size for s in slots)
         self._layout = _block_layout(self._slots) if deterministic else _flat_layout(self._slots)
-        self._fused_add = not deterministic and self._size >= accumulator_state._FUSED_ADD
         if any(s.dtype == tf.float64 for s in self._slots):
             if deterministic:
                 names = [s.name for s in self._slots if s.dtype == tf.float64]
@@ -267,10 +262,6 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         helpers = self._helpers
         helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
         helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
-        if self._fused_add:
-            helpers.add_pieces = tf.function(
-                self._add_pieces_math, autograph=False, jit_compile=True
-            )
         if deterministic:
             helpers.reduce = tf.function(
                 self._reduce_math,

@@ -59,7 +59,7 @@ class _Replicas(_AccumulatorBase):
             ints.append(tf.reshape(tf.size(part.values, out_type=tf.int64), [1]))
         ints.extend(tf.reshape(tf.cast(v, tf.int64), [1]) for v in versions)
         values = part.values
-        if isinstance(values, tuple):  # a block's pieces, or one vector per variable: flat
+        if isinstance(values, tuple):  # a deterministic block's pieces: the block, flat
             values = tf.concat([tf.reshape(p, [-1]) for p in values], 0)
         local = [tf.concat(ints, 0)[None], values if by_element else values[None]]
         if by_element:

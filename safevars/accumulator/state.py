@@ -38,12 +38,6 @@ _CHUNK = 1024
 # straight from the gradient tensor; smaller ones (and the large ones' last partial
 # row) are packed into one block first, where one copy costs less than an op each.
 _DIRECT = 64 * 1024
-# A running sum (deterministic=False) of at least this many elements adds a dense
-# contribution with one XLA-compiled call that reads the gradients where they are
-# (concatenating them first and adding after costs an extra copy of every element,
-# ~0.5 ms of a 1.3M-element add on one core; the call's launch, ~40 µs, more than that
-# saves below this size).
-_FUSED_ADD = 256 * 1024
 
 
 class _Slot(NamedTuple):
@@ -66,10 +60,7 @@ class _Part(NamedTuple):
     (always the case for deterministic accumulators, which store whole rows). For a
     deterministic accumulator ``values`` is a tuple of ``[rows, width]`` pieces, in
     the order of :attr:`_Layout.firsts`, or (after an all-gather) the whole block as
-    one flat vector of ``chunks * width`` elements. For a running sum of at least
-    ``_FUSED_ADD`` elements, a dense contribution's ``values`` is a tuple of one flat
-    vector per variable (their concatenation is the flat vector), or the flat vector
-    itself after an all-gather.
+    one flat vector of ``chunks * width`` elements.
     """
 
     elements: tf.Tensor | None
@@ -204,12 +195,10 @@ class _Helpers:
     """Untracked holder of the model variables, their structure and eager helpers."""
 
     # The compiled helpers, set by GradientAccumulator.__init__ right after this holder
-    # is made (``reduce`` only for a deterministic accumulator, the only one using it;
-    # ``add_pieces`` only for a running sum with ``_fused_add``).
+    # is made (``reduce`` only for a deterministic accumulator, the only one using it).
     prepare: Callable[..., Any]
     finish: Callable[..., Any]
     reduce: Callable[..., Any]
-    add_pieces: Callable[..., Any]  # only for a running sum with _fused_add
 
     def __init__(self, variables: list[Any], structure: Any) -> None:
         self.variables = variables
@@ -234,7 +223,6 @@ class _AccumulatorBase:
     _max_staleness: int | None
     _on_stale: str
     _deterministic: bool
-    _fused_add: bool  # running sum: dense contributions added by one compiled call
     _nonfinite: str
     _helpers: _Helpers
     _slots: tuple[_Slot, ...]
