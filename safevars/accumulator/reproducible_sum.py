@@ -12,8 +12,11 @@ How determinism is achieved (``deterministic=True``):
   remainder below ``q2``. The multiples are integers small enough that their float64
   sums are exact in any order; the remainders (below ``2**-87 * M`` in total for up to
   64 contributions) are dropped. ``sum1 * q1 + sum2 * q2`` is then rounded once, divided
-  by the count once and rounded once to the variable's dtype. Every step is exact or a
-  single IEEE rounding, so the result depends only on the multiset of contributions,
+  by the count once and rounded once to the variable's dtype (for float16 and bfloat16
+  variables twice: TensorFlow and XLA cast float64 to them through float32, which can
+  differ from one rounding in the last bit; still a function of the value alone). Every
+  step is exact or a fixed sequence of IEEE roundings, so the result depends only on
+  the multiset of contributions,
   not on their order, their rows, the summation order TensorFlow or XLA picks, or the
   device; and it is within float32 rounding of the exact mean unless the contributions
   cancel to below about ``2**-60`` of their largest value. The reduction is one
