@@ -37,14 +37,17 @@ model variable and the optimizer's state) and adds 1 to every variable's version
 
 All run on ``ctx.device``; data are generated once with a fixed seed.
 
-Where the extra time goes (ablations of the deep step, one loaded core): one
-``MutexLock`` / ``ConsumeMutexLock`` pair, now 0.06-0.2 ms because the step's ops wait
-for one gate op after the ``MutexLock`` (waiting on the async ``MutexLock`` directly cost
-0.13-0.16 ms more: the executor hands each op it makes ready to its thread pool as a task
-of its own), and one int64 add per variable version plus one for the counters, 0.15-0.3
-ms on the deep model (53 kernels; one add on a vector instead saved 0.1 ms in a mock-up). Waiting for every gradient before the lock measured as
-free on one core. Two plain-Adam models built alike differed by up to 5% in one A/B run
-here, so a single run's ratio carries about that much noise on this 2-core machine.
+Where the extra time goes (in-process ablations of the deep step, both cores, 120-200
+A/B rounds, plain Adam 2.2-2.4 ms): the safe step reads 1.27-1.35x; taking the lock at the
+start of the step instead of after the last gradient reads 1.15x (the update waits for
+every gradient, so no lock is held during the backward pass, but Adam's updates no longer
+overlap it: about 0.25 ms), without the version adds 1.18x (one int64 add per variable
+version and one for the counters, 53 kernels: about 0.2 ms), both together 1.04x. The
+gate op after the ``MutexLock`` (the step's ops wait for it, not for the async
+``MutexLock``, whose successors the executor hands to its thread pool one task each)
+saved 0.13-0.16 ms on one core and reads within the noise on two. Two plain-Adam models
+built alike differed by up to 5% in one A/B run here, so a single run's ratio carries
+about that much noise on this 2-core machine.
 """
 
 from __future__ import annotations
