@@ -2,29 +2,29 @@
 
 How determinism is achieved (``deterministic=True``):
   ``add`` stores each contribution as one float32 block of a buffer (float16 and
-  bfloat16 widen to float32 exactly), at the next free block: one copy, no arithmetic
-  (a block is one row, or for large gradients several rows; :mod:`.state`). Here a
-  "row" is one contribution's block. ``take`` reduces the pending rows with a two-level *reproducible
-  summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point Summation",
-  ARITH 2013): for each element, with ``M`` the largest magnitude among its values (a
-  maximum does not depend on order), every value is split exactly into a multiple of a
-  grid ``q1`` derived from ``M`` and the count, a multiple of a finer grid ``q2`` and a
-  remainder below ``q2``. The multiples are integers small enough that their float64
-  sums are exact in any order; the remainders (below ``2**-87 * M`` in total for up to
-  64 contributions) are dropped. ``sum1 * q1 + sum2 * q2`` is then rounded once, divided
-  by the count once and rounded once to the variable's dtype (for float16 and bfloat16
-  variables twice: TensorFlow and XLA cast float64 to them through float32, which can
-  differ from one rounding in the last bit; still a function of the value alone). Every
-  step is exact or a fixed sequence of IEEE roundings, so the result depends only on
-  the multiset of contributions,
-  not on their order, their rows, the summation order TensorFlow or XLA picks, or the
-  device; and it is within float32 rounding of the exact mean unless the contributions
-  cancel to below about ``2**-60`` of their largest value. The reduction is one
-  XLA-compiled function (``jit_compile=True``) that reads the buffer in place, under
-  the lock, and combines four rows at a time by elementwise ops, so that for up to
-  four contributions it is a single vectorized pass (on the 2-core development CPU,
-  launch included and measured with other processes running: about 60 µs for 26K
-  elements, 2 ms for 1.3M); XLA does not change the result.
+  bfloat16 widen to float32 exactly), at the next free block: one copy, no arithmetic (a
+  block is one row, or for large gradients several rows; :mod:`.state`). Here a "row" is
+  one contribution's block. ``take`` reduces the pending rows with a two-level
+  *reproducible summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point
+  Summation", ARITH 2013): for each element, with ``M`` the largest magnitude among its
+  values (a maximum does not depend on order), every value is split exactly into a
+  multiple of a grid ``q1`` derived from ``M`` and the count, a multiple of a finer grid
+  ``q2`` and a remainder below ``q2``. The multiples are integers small enough that
+  their float64 sums are exact in any order; the remainders (below ``2**-87 * M`` in
+  total for up to 64 contributions) are dropped. ``sum1 * q1 + sum2 * q2`` is then
+  rounded once, divided by the count once and rounded once to the variable's dtype (for
+  float16 and bfloat16 variables twice: TensorFlow and XLA cast float64 to them through
+  float32, which can differ from one rounding in the last bit; still a function of the
+  value alone). Every step is exact or a fixed sequence of IEEE roundings, so the result
+  depends only on the multiset of contributions, not on their order, their rows, the
+  summation order TensorFlow or XLA picks, or the device; and it is within float32
+  rounding of the exact mean unless the contributions cancel to below about ``2**-60``
+  of their largest value. The reduction is one XLA-compiled function
+  (``jit_compile=True``) that reads the buffer in place, under the lock, and combines
+  four rows at a time by elementwise ops, so that for up to four contributions it is a
+  single vectorized pass (on the 2-core development CPU, launch included and measured
+  with other processes running: about 60 µs for 26K elements, 2 ms for 1.3M); XLA does
+  not change the result.
 
 The row buffer is filled by :mod:`.commit` and read, in place and under the lock, by
 :mod:`.take`, which calls :func:`_reproducible_sum` from one compiled function.
