@@ -135,9 +135,10 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
       other in every thread, eagerly and inside ``tf.function``s: a contribution is taken
       exactly once or discarded by ``reset``, never lost or counted twice. The gradient
       arithmetic of ``add`` runs outside the lock; only the commit (a copy of the
-      contribution into free buffer rows, or an ``assign_add``) holds it. ``take`` holds it while it reads the pending state: a
-      deterministic accumulator reduces the rows in place then (one compiled pass, no
-      copy); ``deterministic=False`` copies the running sum and divides after.
+      contribution into free buffer rows, or an ``assign_add``) holds it. ``take`` holds
+      it while it reads the pending state: a deterministic accumulator reduces the rows
+      in place then (one compiled pass, no copy); ``deterministic=False`` copies the
+      running sum and divides after.
 
     Modes:
       Eagerly, the lock is a Python lock and errors are raised before anything changes.
