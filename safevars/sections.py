@@ -248,16 +248,16 @@ def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> tuple[list[tf.Ten
     """``MutexLock`` ops for ``new``, one after another in order, the first after ``inputs``,
     and the gate: the tensor every op of the section waits for.
 
-    The gate is a look-up of the last lock's gate variable (``VarIsInitializedOp``: it
-    reads no value) after its ``MutexLock``. A
-    ``MutexLock`` completes on the mutex's own thread, and TensorFlow's executor then
-    hands every op it made ready to its thread pool as a task of its own (an async
-    kernel's successors are not run inline); hundreds of update ops waiting on the lock
-    directly cost about 0.2-0.4 ms per step (measured: a 52-variable Adam step). Behind
-    the gate, only the gate is handed over, and it releases the body inline. The look-up
-    is stateful, so Grappler does not fold the gate away (a ``NoOp``, ``Identity`` or
-    ``Const`` gate was removed: measured), and nothing else uses the variable, so
-    automatic control dependencies order it after no other op.
+    The gate is a look-up of the last lock's gate variable (``VarIsInitializedOp``: it reads
+    no value) after its ``MutexLock``. A ``MutexLock`` completes on the mutex's own thread,
+    and TensorFlow's executor then hands every op it made ready to its thread pool as a task
+    of its own (an async kernel's successors are not run inline); hundreds of update ops
+    waiting on the lock directly cost about 0.2-0.4 ms per step (measured: a 52-variable
+    Adam step, one core; within the noise with two). Behind the gate, only the gate is
+    handed over, and it releases the body inline. The look-up is stateful, so Grappler does
+    not fold the gate away (a ``NoOp``, ``Identity`` or ``Const`` gate was removed:
+    measured), and nothing else uses the variable, so automatic control dependencies order
+    it after no other op.
     """
     locks: list[tf.Tensor] = []
     for lock in new:
