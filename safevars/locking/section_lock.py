@@ -173,9 +173,12 @@ class SectionLock:
         """Leaves run-time mode again if no traced graph uses the mutex yet."""
         with tf.init_scope(), hold_locks([self]):
             if self.runtime and self.graph_uses == 0:
-                self.runtime = False
-                self.cs = None
-                self.gate = None
+                self.drop_runtime()
+
+    def drop_runtime(self) -> None:
+        """Forgets run-time mode and its graph objects (the caller checked no traced
+        graph uses them)."""
+        self.runtime, self.cs, self.gate = False, None, None
 
     def held_record(self, now: float) -> HeldLock | None:
         slot = self._slot

@@ -69,5 +69,5 @@ def share_lock(guards: Sequence[Guard]) -> bool:
         target.ensure_runtime(False)
     for lock in locks[1:]:
         if not _guards_of_lock(lock):
-            lock.runtime, lock.cs, lock.gate = False, None, None
+            lock.drop_runtime()
     return True
