@@ -170,19 +170,21 @@ class _RowsVariable(resource_variable_ops.ResourceVariable):
     """
 
     def _set_layout(self, layout: _Layout, size: int) -> None:
+        self._safevars_layout = layout
         self._safevars_size = size
-        self._safevars_width = layout.width
-        self._safevars_columns = _block_columns(layout, size)
 
     def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
         key = next(iter(restored_tensors))
         rows = restored_tensors[key]
-        size, width = self._safevars_size, self._safevars_width
+        layout, size = self._safevars_layout, self._safevars_size
+        width = layout.width
         if size != width:  # the layouts differ only with blocks of several rows
 
             def to_blocks() -> tf.Tensor:
+                # Built only here: the table is as long as a contribution.
+                columns = _block_columns(layout, size)
                 padded = tf.pad(rows, [[0, 0], [0, 1]])  # column ``size``: the padding
-                return tf.reshape(tf.gather(padded, self._safevars_columns, axis=1), [-1, width])
+                return tf.reshape(tf.gather(padded, columns, axis=1), [-1, width])
 
             if rows.shape.rank == 2 and rows.shape[1] is not None:
                 rows = to_blocks() if rows.shape[1] == size else rows
