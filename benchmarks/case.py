@@ -81,6 +81,11 @@ class Case:
       goal_reference: Optional variant name the goal's ratio is taken against, when it
         is not the baseline (e.g. ``update`` against a hand-written ``threading.Lock``).
         Default ``None``: the baseline (first variant).
+      rounds_factor: This case takes ``rounds_factor`` times the suite's rounds (``--rounds``
+        or the default), for cases whose rounds vary so much that the suite's count gives
+        an interval too wide to decide their goal (``tf.data`` pipelines, whose
+        background threads make one round's ratio swing by 0.5). An int ``>= 1``; every
+        variant's ``rounds`` in ``results.json`` is the count actually taken.
     """
 
     family: str
@@ -92,6 +97,7 @@ class Case:
     goal: tuple[str, float] | tuple[str, str, float] | None = None
     teardown: Callable[[], Any] | None = None
     goal_reference: str | None = None
+    rounds_factor: int = 1
 
 
 def goal_spec(goal: Any) -> tuple[str, str, float]:

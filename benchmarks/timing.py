@@ -6,10 +6,11 @@ Method (the same for every case):
    batches until ``warmup_time`` has passed. The last warm-up batch estimates the time per
    call, from which the number of calls per timed batch is chosen so that one batch takes
    about ``min_batch_time`` (at least one call).
-2. **Rounds.** Every round times one batch of every variant, one after the other in the
-   same process; the order rotates by one each round (A B C, B C A, C A B, ...) so no
-   variant always runs first or right after another. The sample of a round is the batch
-   time divided by the number of calls.
+2. **Rounds.** ``settings.rounds`` rounds (times the case's ``rounds_factor``, 1 unless a
+   noisy case asks for more). Every round times one batch of every variant, one after the
+   other in the same process; the order rotates by one each round (A B C, B C A, C A B,
+   ...) so no variant always runs first or right after another. The sample of a round is
+   the batch time divided by the number of calls.
 3. **Clocks and devices.** Before *every* clock read, ``device_sync`` is called (on a GPU,
    a device sync), so a batch's time includes the work it queued. On a GPU a case's own
    ``sync`` also runs after every call. The garbage collector is paused during a batch.
@@ -196,13 +197,19 @@ def measure(
     """
     if not case.variants:
         raise ValueError(f"case {case.name!r} of family {case.family!r} has no variants.")
+    factor = case.rounds_factor
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(
+            f"case {case.name!r} of family {case.family!r}: rounds_factor must be an int "
+            f">= 1 (the multiple of the suite's rounds this case takes), got {factor!r}."
+        )
     timer = _Timer(clock, device_sync, case.sync)
     names = list(case.variants)
     timings = {
         name: VariantTiming(name, _calibrate(timer, case.variants[name], settings))
         for name in names
     }
-    for round_index in range(settings.rounds):
+    for round_index in range(settings.rounds * factor):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             timing = timings[name]

@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import (  # noqa: E402
+    bench_data,
     bench_eager,
     bench_graph,
     cli,
@@ -328,6 +329,24 @@ def test_rounds_interleave_variants_and_rotate_the_order():
     assert [t.calls_per_batch for t in timings] == [1, 1, 1]
     timed = order[-9:]  # After two warm-up calls per variant: three rounds of three.
     assert timed == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
+
+
+def test_a_case_can_take_a_multiple_of_the_rounds():
+    calls: list[str] = []
+    case = Case("f", "c", {"a": lambda: calls.append("a"), "b": lambda: None}, rounds_factor=4)
+    settings = TimingSettings(rounds=3, warmup_time=0.0, min_batch_time=0.0)
+    timings = measure(case, settings, clock=FakeClock([]))
+    assert [len(t.samples) for t in timings] == [12, 12]  # 3 rounds x 4
+    assert calls.count("a") == 2 + 12  # two warm-up calls, then one per round
+
+
+@pytest.mark.parametrize("factor", [0, -1, 2.0, True, None])
+def test_a_bad_rounds_factor_fails_the_case_before_any_call(factor):
+    calls: list[str] = []
+    case = Case("f", "c", {"a": lambda: calls.append("a")}, rounds_factor=factor)
+    with pytest.raises(ValueError, match=r"rounds_factor must be an int >= 1"):
+        measure(case, tiny_settings(), clock=FakeClock([]))
+    assert calls == []
 
 
 def test_extra_figures_are_recorded_per_round():
@@ -836,8 +855,9 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
         assert family["cases"], family["name"]
         for case in family["cases"]:
             assert case["status"] == "ok" and case["variants"][0]["baseline"]
+            factor = bench_data.ROUNDS_FACTOR if family["name"] == "data" else 1
             for variant in case["variants"]:
-                assert len(variant["samples_s"]) == 2
+                assert len(variant["samples_s"]) == 2 * factor  # --rounds 2
                 assert variant["min_s"] <= variant["median_s"] <= variant["max_s"]
     meta = document["metadata"]
     assert meta["mode"] == "quick" and meta["device"]["kind"] == "cpu"
