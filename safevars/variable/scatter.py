@@ -17,7 +17,12 @@ import tensorflow as tf
 
 from safevars._validation import short
 from safevars.distribute import merge_context
-from safevars.errors import IndexOutOfRangeError, UnsupportedStrategyError, assertion_text
+from safevars.errors import (
+    IndexOutOfRangeError,
+    UnsupportedStrategyError,
+    assertion_text,
+    run_time_check,
+)
 
 if TYPE_CHECKING:
     from safevars.variable.safe_variable import SafeVariable
@@ -142,7 +147,7 @@ def _index_check(variable: SafeVariable, method: str, args: tuple, kwargs: dict)
         )
     limit = tf.cast(limit, indices.dtype)
     inside = tf.reduce_all(tf.logical_and(indices >= 0, indices < limit))
-    return tf.debugging.Assert(
+    return run_time_check(
         inside,
         [
             assertion_text(
