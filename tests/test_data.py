@@ -289,25 +289,6 @@ class TestPosition:
         step()  # the commit runs although nothing uses it
         assert int(counter.numpy()) == 1 and data.position() == (0, 1)
 
-    def test_the_commit_check_is_one_assert_op_without_control_flow(self):
-        """A commit may run once per element: tf.debugging.Assert would wrap its int64 check
-        in a tf.cond (an If op and its branch functions, ~1.4 µs per element)."""
-        data = ShardedInput(8, seed=SEED)
-        iterator = iter(data.dataset())
-
-        @tf.function
-        def step():
-            _, receipt = next(iterator)
-            data.commit(receipt)
-
-        graph = step.get_concrete_function().graph
-        types = [op.type for op in graph.get_operations()]
-        assert types.count("Assert") == 1
-        assert not {"If", "StatelessIf", "Switch", "Merge"} & set(types)
-        assert not graph.as_graph_def().library.function  # no branch functions
-        step()
-        assert data.position() == (0, 1)
-
 
 def ancestor_types(op: tf.Operation) -> set[str]:
     """The types of every op ``op`` depends on, through data and control edges."""
