@@ -183,23 +183,10 @@ class RaceDetectedError(SafeVarsError, AssertionError):
 # ------------------------------------------------------- run-time assertion messages
 #
 # Checks that can only be made when a graph runs (a tf.function's staleness test, a
-# parameter server's bounds check) are ``Assert`` ops (:func:`run_time_check`), which fail
-# with a ``tf.errors.InvalidArgumentError`` whose message holds the assertion's text. The
-# text starts with a tag naming the safevars error it stands for; ``from_assertion`` turns
+# parameter server's bounds check) are ``tf.debugging.Assert`` ops, which fail with a
+# ``tf.errors.InvalidArgumentError`` whose message holds the assertion's text. The text
+# starts with a tag naming the safevars error it stands for; ``from_assertion`` turns
 # such a failure back into that error where the call returns to Python.
-
-
-def run_time_check(condition: Any, data: list[Any], summarize: int = 3) -> Any:
-    """An ``Assert`` op: when it runs with ``condition`` false, it fails with ``data``.
-
-    ``tf.debugging.Assert`` puts an assertion whose data are not all strings or int32 in
-    a ``tf.cond``, to spare a GPU the copy of the data to the host when the check passes.
-    On a CPU that cond costs more than the check: ``ShardedInput.commit`` of one element
-    took 3.5 µs with it and 2.1 µs without (a ``tf.while_loop`` of commits, one or two
-    cores). This is the ``Assert`` op alone; on a GPU its data go to the host with the
-    condition. Eagerly it raises at once, as ``tf.debugging.Assert`` does.
-    """
-    return tf.raw_ops.Assert(condition=condition, data=data, summarize=summarize)
 
 
 def assertion_text(error_class: type[SafeVarsError], text: str) -> str:

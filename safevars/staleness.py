@@ -19,8 +19,8 @@ from the future is never stale. Eagerly, :func:`version_lag` can refuse it inste
 (``refuse_future=True``); a graph cannot raise, so there it is clamped.
 
 Every function works on Python ``int``s (eagerly: decisions are made at once) and on
-int64 graph tensors (inside ``tf.function``: decisions are tensors and a refusal is an
-``Assert`` op that fails when the graph runs). A refused call's run-time
+int64 graph tensors (inside ``tf.function``: decisions are tensors and a refusal is a
+``tf.debugging.Assert`` that fails when the graph runs). A refused call's run-time
 message is tagged with :func:`safevars.errors.assertion_text`, so
 :func:`safevars.errors.from_assertion` turns it back into a
 :class:`~safevars.StaleGradientError` where the call returns to Python.
@@ -37,12 +37,7 @@ from typing import Any
 import tensorflow as tf
 
 from safevars._validation import check_choice, check_int
-from safevars.errors import (
-    InvalidArgumentError,
-    StaleGradientError,
-    assertion_text,
-    run_time_check,
-)
+from safevars.errors import InvalidArgumentError, StaleGradientError, assertion_text
 
 __all__ = [
     "STALE_POLICIES",
@@ -193,7 +188,7 @@ def refuse_stale(
     Returns:
       ``None`` when the decision can be made now (an ``int``, or eagerly) and the
       gradients pass. Inside a ``tf.function`` for a tensor ``staleness``: a
-      ``Assert`` op (:func:`safevars.errors.run_time_check`); make the state change depend on it. It fails when
+      ``tf.debugging.Assert`` op; make the state change depend on it. It fails when
       the graph runs with a ``tf.errors.InvalidArgumentError`` whose message is
       tagged ``safevars StaleGradientError`` (see :func:`safevars.errors.from_assertion`)
       and holds the same text as :func:`stale_error`, the lag included.
@@ -210,7 +205,7 @@ def refuse_stale(
             raise stale_error(lag, max_staleness, effect)
         return None
     head, tail = _text(None, max_staleness, effect).split(" {} ")
-    return run_time_check(
+    return tf.debugging.Assert(
         tf.logical_not(staleness > max_staleness),
         [assertion_text(StaleGradientError, head), staleness, tail],
     )

@@ -30,7 +30,6 @@ from safevars.errors import (
     NonFiniteGradientError,
     ShapeMismatchError,
     assertion_text,
-    run_time_check,
 )
 from safevars.snapshot import Snapshot
 
@@ -152,7 +151,7 @@ class _Contributions(_AccumulatorBase):
                         f"outside [0, {slot.shape[0]}), the variable's first dimension."
                     )
             else:
-                check = run_time_check(
+                check = tf.debugging.Assert(
                     tf.reduce_all(in_range),
                     [
                         assertion_text(
@@ -176,7 +175,7 @@ class _Contributions(_AccumulatorBase):
                 return elements, values, True
             return elements, values, bool(flags) if flags.ndim == 0 else flags
         if self._nonfinite == "raise":
-            check = run_time_check(
+            check = tf.debugging.Assert(
                 tf.reduce_all(finite),
                 [
                     assertion_text(

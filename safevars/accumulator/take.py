@@ -28,7 +28,7 @@ from safevars.accumulator.statistics import (
     _TAKEN,
     _TAKES,
 )
-from safevars.errors import AccumulatorTimeoutError, assertion_text, run_time_check
+from safevars.errors import AccumulatorTimeoutError, assertion_text
 from safevars.locking import graph_section, hold
 
 _POLL_SECONDS = 0.05
@@ -200,7 +200,7 @@ class _Take(_AccumulatorBase):
             checks = []
             if required and not conditional:
                 checks.append(
-                    run_time_check(
+                    tf.debugging.Assert(
                         pending >= required,
                         [
                             assertion_text(

@@ -86,12 +86,7 @@ from safevars.data._layout import (
 from safevars.data._source import source_elements
 from safevars.data._strategies import check_coordinator, check_mirrored, default_layout
 from safevars.distribute import check_strategy, is_parameter_server
-from safevars.errors import (
-    InvalidArgumentError,
-    NotCallableError,
-    UnsupportedStrategyError,
-    run_time_check,
-)
+from safevars.errors import InvalidArgumentError, NotCallableError, UnsupportedStrategyError
 from safevars.rng import ReplicaRNG
 from safevars.rng.arguments import _check_seed
 from safevars.rng.placement import _ps_device
@@ -557,7 +552,7 @@ class ShardedInput(tf.Module):
         same = tf.equal(first, committed)
         if same.shape.rank != 0:
             same = tf.reduce_all(same)
-        check = run_time_check(
+        check = tf.debugging.Assert(
             same,
             [
                 "safevars.ShardedInput.commit: shard",

@@ -14,7 +14,6 @@ import numpy as np
 import tensorflow as tf
 
 from safevars._tf_internal import control_flow_util
-from safevars.errors import run_time_check
 
 
 def in_xla_context() -> bool:
@@ -59,7 +58,7 @@ def refuse(bad: Any, error: Callable[[], Exception], message: str) -> Any:
         if decided:
             raise error()
         return None
-    return run_time_check(tf.logical_not(bad), [message])
+    return tf.debugging.Assert(tf.logical_not(bad), [message])
 
 
 def logical_not(value: Any) -> Any:

@@ -17,12 +17,7 @@ import tensorflow as tf
 
 from safevars._validation import short
 from safevars.distribute import merge_context
-from safevars.errors import (
-    IndexOutOfRangeError,
-    UnsupportedStrategyError,
-    assertion_text,
-    run_time_check,
-)
+from safevars.errors import IndexOutOfRangeError, UnsupportedStrategyError, assertion_text
 
 if TYPE_CHECKING:
     from safevars.variable.safe_variable import SafeVariable
@@ -147,7 +142,7 @@ def _index_check(variable: SafeVariable, method: str, args: tuple, kwargs: dict)
         )
     limit = tf.cast(limit, indices.dtype)
     inside = tf.reduce_all(tf.logical_and(indices >= 0, indices < limit))
-    return run_time_check(
+    return tf.debugging.Assert(
         inside,
         [
             assertion_text(
