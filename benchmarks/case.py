@@ -83,9 +83,9 @@ class Case:
         Default ``None``: the baseline (first variant).
       rounds_factor: This case takes ``rounds_factor`` times the suite's rounds (``--rounds``
         or the default), for cases whose rounds vary so much that the suite's count gives
-        an interval too wide to decide their goal (``tf.data`` pipelines, whose
-        background threads make one round's ratio swing by 0.5). An int ``>= 1``; every
-        variant's ``rounds`` in ``results.json`` is the count actually taken.
+        an interval too wide to decide their goal (``tf.data`` pipelines, whose speed
+        switches between two modes, so one round's ratio swings by 0.5). An int
+        ``>= 1``; every variant's ``rounds`` in ``results.json`` is the count taken.
     """
 
     family: str
