@@ -18,7 +18,7 @@ import tensorflow as tf
 from safevars import _tf_internal as tfi
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
-from safevars.accumulator.state import _AccumulatorBase, _Layout, _Part
+from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES
 from safevars.locking import Guard, graph_section, hold
 from safevars.staleness import refuse_stale, scale_stale, version_lag
@@ -280,7 +280,3 @@ def _pieces(values: Any, layout: _Layout) -> list[tuple[int, tf.Tensor]]:
     if isinstance(values, tuple):
         return list(zip(layout.firsts, values))
     return [(0, tf.reshape(values, [layout.chunks, layout.width]))]
-
-
-def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
-    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)

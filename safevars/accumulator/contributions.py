@@ -23,7 +23,7 @@ from safevars.accumulator.replicas import (
     _replica_context,
     _spans_workers,
 )
-from safevars.accumulator.state import _NARROW_FLOATS, _AccumulatorBase, _Part, _Slot
+from safevars.accumulator.state import _NARROW_FLOATS, _AccumulatorBase, _concat, _Part, _Slot
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -381,10 +381,6 @@ def _sparse_slot(entries: tuple, position: int) -> int:
 def _after(check: Any, tensors: tuple) -> tuple:
     with tf.control_dependencies([check]):
         return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
-
-
-def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
-    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
 
 
 def _is_int_version(version: Any) -> bool:

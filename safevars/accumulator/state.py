@@ -193,6 +193,11 @@ class _RowsVariable(resource_variable_ops.ResourceVariable):
         return super()._restore_from_tensors({key: rows})
 
 
+def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:
+    """``tf.concat`` along axis 0, without an op for a single tensor."""
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, 0)
+
+
 class _Helpers:
     """Untracked holder of the model variables, their structure and eager helpers."""
 
