@@ -275,11 +275,16 @@ class _Take(_AccumulatorBase):
     def _finish_math(self, state: tf.Tensor, pending: tf.Tensor) -> tuple:
         return self._cut(self._divide(state, pending))
 
+    def _shared_dtype(self) -> tf.DType | None:
+        """The variables' dtype if they all have the same one, else ``None``."""
+        dtypes = {slot.dtype for slot in self._slots}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     def _result_dtype(self) -> tf.DType:
         """The dtype of a deterministic :meth:`_divide`'s result: the variables' one if
         they share it, else float64 (each slot is cast once, in :meth:`_cut`)."""
-        dtypes = {slot.dtype for slot in self._slots}
-        return dtypes.pop() if len(dtypes) == 1 else tf.float64
+        shared = self._shared_dtype()
+        return tf.float64 if shared is None else shared
 
     def _divide(self, total: tf.Tensor, pending: tf.Tensor) -> tf.Tensor:
         """The flat sum divided for "mean", cast to the variables' dtype if they share
@@ -287,8 +292,8 @@ class _Take(_AccumulatorBase):
         if self._reduction == "mean":
             divisor = tf.cast(tf.maximum(pending, 1), total.dtype)
             total = total / divisor
-        dtypes = {slot.dtype for slot in self._slots}
-        return tf.cast(total, dtypes.pop()) if len(dtypes) == 1 else total
+        shared = self._shared_dtype()
+        return total if shared is None else tf.cast(total, shared)
 
     def _cut(self, total: tf.Tensor) -> tuple[tf.Tensor, ...]:
         """The flat result cut into one tensor per variable, in its dtype."""
