@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
+from graph_walk import ancestors
 
 from safevars.data import REMAINDER_POLICIES, ShardedInput
 from safevars.errors import (
@@ -285,22 +286,9 @@ class TestPosition:
 
         graph = step.get_concrete_function().graph
         (scatter,) = [op for op in graph.get_operations() if op.type == "ResourceScatterMax"]
-        assert "AssignAddVariableOp" in ancestor_types(scatter)
+        assert "AssignAddVariableOp" in {op.type for op in ancestors(scatter)}
         step()  # the commit runs although nothing uses it
         assert int(counter.numpy()) == 1 and data.position() == (0, 1)
-
-
-def ancestor_types(op: tf.Operation) -> set[str]:
-    """The types of every op ``op`` depends on, through data and control edges."""
-    seen: set[tf.Operation] = set()
-    stack = [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return {o.type for o in seen}
 
 
 # --------------------------------------------------------------------- MirroredStrategy

@@ -12,27 +12,13 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from graph_walk import ancestors
 from threading_harness import run_threads
 
 import safevars
 from safevars import SafeOptimizer, SafeVariable
 
 _WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
-
-
-def _sources(op):
-    yield from (t.op for t in op.inputs)
-    yield from op.control_inputs
-
-
-def _ancestors(op):
-    seen, stack = set(), [op]
-    while stack:
-        for source in _sources(stack.pop()):
-            if source not in seen:
-                seen.add(source)
-                stack.append(source)
-    return seen
 
 
 def _lock_consumers(lock):
@@ -66,9 +52,9 @@ def test_every_write_of_a_traced_step_runs_between_the_lock_and_its_release():
     # model variable; the counters and their own version.
     variables = len(model.trainable_variables)
     assert len(writes) == 3 * variables + 1 + variables + 2
-    before_release = _ancestors(release)
+    before_release = ancestors(release)
     for write in writes:
-        assert lock in _ancestors(write), write.name
+        assert lock in ancestors(write), write.name
         assert write in before_release, write.name
 
 
@@ -99,7 +85,7 @@ def test_writes_joined_into_one_section_also_wait_for_the_gate():
     assert {op.type for op in _lock_consumers(lock)} == {"VarIsInitializedOp", "ConsumeMutexLock"}
     writes = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
     assert len(writes) == 6  # three writes and their versions, all behind the lock
-    assert all(lock in _ancestors(write) for write in writes)
+    assert all(lock in ancestors(write) for write in writes)
     three_writes()
     assert float(v.numpy()) == 3.0 and v.version == 3
 
