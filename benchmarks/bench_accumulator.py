@@ -49,6 +49,12 @@ contribution, then adds it with ``assign_add``. An XLA-compiled add reading the 
 they are was 0.5 ms faster per add on one core, but 26 ms per add (75x slower) with two
 cores, so it was reverted.
 
+The floor of any design that takes a TensorFlow mutex per ``add`` (README, "Results",
+measured 2026-11-26): Keras' own micro-step of mlp2x128 with only a ``MutexLock`` /
+``ConsumeMutexLock`` pair added around its update reads 1.18x (``MutexLock`` hands every
+acquisition to the mutex's own thread), and taking the lock eagerly around the call
+costs as much; the 1.10 goal on mlp2x128 needs a lock without the TensorFlow mutex.
+
 ``params`` records the memory cost of ``deterministic=True``: bytes of accumulation state
 for each variant; the deterministic buffer holds one float32 block per pending
 contribution (here K = 4 blocks, 16 bytes per gradient element, plus under 4 KiB of

@@ -48,6 +48,12 @@ gate op after the ``MutexLock`` (the step's ops wait for it, not for the async
 saved 0.13-0.16 ms on one core and reads within the noise on two. Two plain-Adam models
 built alike differed by up to 5% in one A/B run here, so a single run's ratio carries
 about that much noise on this 2-core machine.
+
+What the deep-step goal needs (README, "Results", measured 2026-11-26): the step's section
+traced as the XLA path traces it (the lock held around the call, no mutex op in the
+graph) read 1.12-1.23x against 1.28-1.41x in the same runs, and 1.04-1.07x with no
+version adds as well. Holding the lock around the whole call serializes concurrent steps'
+forward and backward passes, a change of guarantee that is not made.
 """
 
 from __future__ import annotations
