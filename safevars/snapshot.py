@@ -129,7 +129,7 @@ def take_snapshots(
         wrapped = [v.__wrapped__ for v in variables]
 
         def read() -> list[tuple[tf.Tensor, tf.Tensor]]:
-            return [(w.read_value(), g.version_var.read_value()) for w, g in zip(wrapped, guards)]
+            return [(w.read_value(), g.graph_version()) for w, g in zip(wrapped, guards)]
 
         pairs = graph_section(guards, read)
         return [Snapshot(value, version, n) for (value, version), n in zip(pairs, names)]

@@ -48,10 +48,10 @@ def test_every_write_of_a_traced_step_runs_between_the_lock_and_its_release():
     (lock,) = [op for op in ops if op.type == "MutexLock"]  # one lock for the whole step
     (release,) = [op for op in ops if op.type == "ConsumeMutexLock"]
     writes = [op for op in ops if op.type in _WRITES]
-    # Adam: 2 slots and the variable per model variable, and iterations; one version per
-    # model variable; the counters and their own version.
+    # Adam: 2 slots and the variable per model variable, and iterations; one joint add
+    # for the versions of every model variable; the counters and their own version.
     variables = len(model.trainable_variables)
-    assert len(writes) == 3 * variables + 1 + variables + 2
+    assert len(writes) == 3 * variables + 1 + 1 + 2
     before_release = ancestors(release)
     for write in writes:
         assert lock in ancestors(write), write.name

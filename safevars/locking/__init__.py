@@ -69,6 +69,8 @@ Where things live (one idea per file):
 * ``guard.py``: :class:`Guard`, a variable's version and lock (``call_locked``,
   ``write_counted``), and ``protect``/``guard_of``/``guards_of``.
 * ``sharing.py``: :func:`share_lock`.
+* ``joint_versions.py``: :func:`join_versions`, one counter for the versions of
+  variables always written together (one add per step instead of one per variable).
 * ``statistics.py``: :class:`LockStatistics`, :func:`held_locks`/:class:`HeldLock`, the
   duplicate counters of :mod:`safevars.exactly_once`.
 * Graph sections (``tf.function``): :mod:`safevars.sections`.
@@ -83,6 +85,9 @@ from safevars.locking.guard import Guard, guard_of, guards_of, protect
 from safevars.locking.guard import _VersionVariable as _VersionVariable
 from safevars.locking.holding import hold
 from safevars.locking.holding import hold_locks as hold_locks
+from safevars.locking.joint_versions import JointCounter, join_versions
+from safevars.locking.joint_versions import bump_eager_together as bump_eager_together
+from safevars.locking.joint_versions import bump_graph_together as bump_graph_together
 from safevars.locking.lock_order import sorted_locks as sorted_locks
 from safevars.locking.ownership import _current_thread as _current_thread
 from safevars.locking.ownership import _held as _held
@@ -97,6 +102,7 @@ from safevars.locking.statistics import HeldLock, LockStatistics, held_locks
 __all__ = [
     "Guard",
     "HeldLock",
+    "JointCounter",
     "LockStatistics",
     "SectionLock",
     "check_timeout",
@@ -104,6 +110,7 @@ __all__ = [
     "guards_of",
     "held_locks",
     "hold",
+    "join_versions",
     "protect",
     "share_lock",
 ]

@@ -23,10 +23,13 @@ import tensorflow as tf
 from safevars import _tf_internal as tfi
 from safevars.errors import InvalidArgumentError
 from safevars.locking.holding import hold
+from safevars.locking.joint_versions import JointCounter
 from safevars.locking.lock_order import _check_order
 from safevars.locking.ownership import _current_thread, _held, _holding
 from safevars.locking.section_lock import _GUARDS_BY_LOCK, SectionLock, _guards_of_lock
 from safevars.locking.statistics import LockStatistics, _duplicates_of
+
+_VALUE_KEY = "VARIABLE_VALUE"  # trackable.VARIABLE_VALUE_KEY: a variable's checkpoint entry
 
 # Runs an iterator to its end, in C.
 _consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
@@ -36,13 +39,29 @@ class _VersionVariable(tfi.ResourceVariable):
     """The int64 resource variable that holds a guard's version in checkpoints and graphs.
 
     It tells its guard when a checkpoint restores it, so the eager version follows.
+
+    In run-time mode it stores the version minus the guard's joint counter, if the guard
+    has one (:mod:`safevars.locking.joint_versions`); a checkpoint holds the version
+    itself, under the same key as any variable's value.
     """
 
     _safevars_guard: Guard | None = None
 
-    def _restore_from_tensors(self, restored_tensors):  # noqa: D401 - TF override
-        result = super()._restore_from_tensors(restored_tensors)
+    def _serialize_to_tensors(self):  # noqa: D401 - TF override
         guard = self._safevars_guard
+        if guard is None or guard.joint is None:
+            return super()._serialize_to_tensors()
+        with tf.device(self.device):
+            total = self.read_value() + guard.joint.variable.read_value()
+        return {_VALUE_KEY: total}
+
+    def _restore_from_tensors(self, restored_tensors):  # noqa: D401 - TF override
+        guard = self._safevars_guard
+        if guard is not None and guard.joint is not None:
+            with tf.device(self.device):
+                own = restored_tensors[_VALUE_KEY] - guard.joint.variable.read_value()
+            restored_tensors = {**restored_tensors, _VALUE_KEY: own}
+        result = super()._restore_from_tensors(restored_tensors)
         if guard is not None and tf.executing_eagerly():
             guard._after_version_restore()
         return result
@@ -58,7 +77,16 @@ class Guard:
     readers read ``_version`` without it and re-validate with the sequence number.
     """
 
-    __slots__ = ("name", "device", "lock", "_version", "_writes", "version_var", "__weakref__")
+    __slots__ = (
+        "name",
+        "device",
+        "lock",
+        "_version",
+        "_writes",
+        "version_var",
+        "joint",
+        "__weakref__",
+    )
 
     def __init__(self, variable: Any, version: int = 0) -> None:
         self.name = getattr(variable, "name", "variable")
@@ -66,6 +94,7 @@ class Guard:
         self._version = int(version)
         self._writes = 0
         self.lock = SectionLock(self.name, self.device)
+        self.joint: JointCounter | None = None  # set by join_versions, then fixed
         _GUARDS_BY_LOCK.setdefault(self.lock, weakref.WeakSet()).add(self)
         with tf.init_scope(), tf.device(self.device):
             self.version_var = _VersionVariable(
@@ -193,10 +222,24 @@ class Guard:
         if not tf.executing_eagerly():
             self.lock.ensure_runtime(self.owned())
             self.lock.graph_uses += 1
-            return self.version_var.read_value()
+            return self.graph_version()
         if self.lock.runtime:
-            return int(self.version_var.numpy())
+            return int(self.version_var.numpy()) + self._joint_value()
         return self._version
+
+    def graph_version(self) -> tf.Tensor:
+        """The version as an int64 tensor read when the graph runs (run-time mode).
+
+        Read inside the guard's section, or validated, by the caller.
+        """
+        value = self.version_var.read_value()
+        if self.joint is None:
+            return value
+        return value + self.joint.variable.read_value()
+
+    def _joint_value(self) -> int:
+        """The joint counter's share of the version (0 without one), eagerly."""
+        return 0 if self.joint is None else self.joint.value()
 
     def bump_graph(self, after: Any, writes: int = 1) -> Any:
         """Graph op adding ``writes`` to the version once ``after`` has run."""
@@ -208,16 +251,22 @@ class Guard:
         if self.lock.runtime or not tf.executing_eagerly():
             return
         with hold([self]):
-            self.version_var.assign(self._version, read_value=False)
+            self.store_version()
+
+    def store_version(self) -> None:
+        """Writes the eager version into the version variable (less the joint counter);
+        the caller holds the lock."""
+        own = self._version - self._joint_value()
+        self.version_var.assign(own, read_value=False)
 
     def set_version(self, version: int) -> None:
         """Sets the version (deepcopy, restore, rollback); the caller holds the lock."""
         self._version = int(version)
-        self.version_var.assign(self._version, read_value=False)
+        self.store_version()
 
     def _after_version_restore(self) -> None:
         with hold([self]):
-            self._version = int(self.version_var.numpy())
+            self._version = int(self.version_var.numpy()) + self._joint_value()
 
     def ensure_runtime(self) -> bool:
         return self.lock.ensure_runtime(self.owned())

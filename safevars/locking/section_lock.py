@@ -165,7 +165,7 @@ class SectionLock:
                     shape=(),
                 )
             for guard in _guards_of_lock(self):
-                guard.version_var.assign(guard._version, read_value=False)
+                guard.store_version()
             self.runtime = True
         return True
 

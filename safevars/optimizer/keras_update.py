@@ -10,6 +10,8 @@ arithmetic, bitwise as the plain optimizer. Around it:
   in cross-replica context; see ``strategies.py``).
 * Each written variable's version goes up by exactly 1 per call (Keras' several writes
   are counted by the caller), unless an enclosing SafeOptimizer's section counts them.
+  A call that writes every model variable counts them with one add on their joint
+  counter (:mod:`safevars.locking.joint_versions`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from safevars.locking import Guard
+from safevars.locking import Guard, bump_eager_together, bump_graph_together
 from safevars.optimizer.decisions import one, zero
 from safevars.optimizer.locked_step import _nesting
 from safevars.optimizer.runtime import OptimizerPart
@@ -64,12 +66,10 @@ class KerasUpdatePart(OptimizerPart):
             return result  # The enclosing SafeOptimizer's section counts the versions.
         if eager:
             if update:
-                for guard in guards:
-                    guard.bump_eager(1)
+                bump_eager_together(guards, 1)
             return result
         created = [op for op in graph.get_operations() if op not in existing]
         with tf.control_dependencies(created):
             written = tf.no_op(name="safevars_update_done")
-        for guard in guards:
-            guard.bump_graph(written, update)
+        bump_graph_together(guards, written, update)
         return result

@@ -208,6 +208,8 @@ class SafeOptimizer(
             runtime.accumulator = accumulator
         share = getattr(locking, "share_lock", None)
         runtime.shared = bool(share(guards + fixed)) if share is not None else False
+        if runtime.shared:
+            locking.join_versions(guards)  # a step writing every variable: one add
         runtime.guards = guards
         runtime.fixed_guards = fixed
         runtime.ready = True

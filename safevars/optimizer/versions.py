@@ -90,7 +90,7 @@ class VersionsPart(OptimizerPart):
         eager = tf.executing_eagerly()
         lags = [
             version_lag(
-                int(guard.version()) if eager else guard.version_var.read_value(),
+                int(guard.version()) if eager else guard.graph_version(),
                 value,
                 refuse_future=True,
                 argument=f"version[{position}]",

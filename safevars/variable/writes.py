@@ -435,7 +435,7 @@ class _Writes(_SafeVariableFields):
 
         def body() -> tf.Tensor:
             expected = tf.cast(expected_version, tf.int64)
-            current = guard.version_var.read_value()
+            current = guard.graph_version()
 
             def write() -> tf.Tensor:
                 self._graph_write_body(
