@@ -126,6 +126,7 @@ __all__ = [
     "ResourceVariable",
     "autograph_config",
     "autograph_source_map",
+    "captured_placeholder",
     "check_versions",
     "checkpoint_entry_points",
     "colocate_with",
@@ -181,6 +182,14 @@ def eager_context() -> Any:
 def in_xla_context(graph=None) -> bool:
     """Whether ops built now go into an XLA-compiled function (``jit_compile=True``)."""
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())
+
+
+def captured_placeholder(graph, tensor):
+    """The placeholder of the function graph ``graph`` that carries the captured
+    ``tensor`` (an outer graph's tensor or an eager one), or None
+    (``FuncGraph._function_captures``)."""
+    captures = getattr(graph, "_function_captures", None)
+    return getattr(captures, "by_val_internal", {}).get(id(tensor))
 
 
 def keep_cond_as_kernel(op) -> None:

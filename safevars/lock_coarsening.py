@@ -48,11 +48,11 @@ from safevars.locking import SectionLock
 
 __all__ = ["OpenSection", "after_release", "can_join", "join", "open_section", "record"]
 
-_SECTION_OPS = frozenset(("MutexLock", "ConsumeMutexLock"))
+SECTION_OPS = frozenset(("MutexLock", "ConsumeMutexLock"))
 # Ops that may wait for something outside the function (another thread's enqueue, a
 # peer, Python) or run a graph that may take other locks: a joined section must not
 # hold its lock while waiting for one of them.
-_MAY_WAIT = frozenset(
+MAY_WAIT = frozenset(
     (
         "PartitionedCall",
         "StatefulPartitionedCall",
@@ -200,7 +200,7 @@ def _orders_after_release(op: Any) -> bool:
 
 def _depends_on_section(graph: Any, op: Any) -> bool:
     """Whether ``op`` is, or depends on, a section's op (``MutexLock``,
-    ``ConsumeMutexLock``) or an op that may wait or take other locks (``_MAY_WAIT``: a
+    ``ConsumeMutexLock``) or an op that may wait or take other locks (``MAY_WAIT``: a
     function call, control flow, a queue, an iterator, a collective, Python), iteratively,
     memoized per graph."""
     with _LOCK:
@@ -214,7 +214,7 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
         if current in memo:
             stack.pop()
             continue
-        if current.type in _SECTION_OPS or current.type in _MAY_WAIT:
+        if current.type in SECTION_OPS or current.type in MAY_WAIT:
             memo[current] = True
             stack.pop()
             continue

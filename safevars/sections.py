@@ -126,21 +126,26 @@ def _enclosing_sections() -> list[tuple[frozenset[SectionLock], list[Any]]]:
     ]
 
 
-def graph_section(guards: Sequence[Guard], fn: Callable[[], Any], after: Any = ()) -> Any:
+def graph_section(
+    guards: Sequence[Guard], fn: Callable[[], Any], after: Any = (), gated: Sequence[Any] = ()
+) -> Any:
     """Traces ``fn`` inside the critical sections of ``guards``' locks (global order).
 
     Args:
       guards: The guards whose locks to hold while ``fn``'s ops run.
       fn: Traces the section's ops; called once.
-      after: Tensors (any nest, composites included) the section waits for before it
-        takes its first lock, so that computing them (gradients, the value to write)
+      after: Tensors or ops (any nest, composites included) the section waits for before
+        it takes its first lock, so that computing them (gradients, the value to write)
         does not hold the lock.
+      gated: Ops traced earlier that must also run inside the section (they wait for its
+        gate): the reads of a step whose whole span is locked
+        (:mod:`safevars.step_span`). None of them may come before an op of ``after``.
 
     Returns ``fn()``'s result, made to depend on the release of every lock. The locks are
     released only after every op ``fn`` created has run (not only its outputs, which is
     all ``tf.CriticalSection.execute`` waits for).
     """
-    return lock_section(sorted_locks(guards), fn, after)
+    return lock_section(sorted_locks(guards), fn, after, gated=gated)
 
 
 def lock_section(
@@ -148,6 +153,7 @@ def lock_section(
     fn: Callable[[], Any],
     after: Any = (),
     compiled_call: bool = False,
+    gated: Sequence[Any] = (),
 ) -> Any:
     """:func:`graph_section` over locks already sorted in the global order.
 
@@ -158,7 +164,7 @@ def lock_section(
     me = locking._current_thread()
     switched = [lock for lock in ordered if lock.ensure_runtime(locking._holding(lock, me))]
     try:
-        result = _traced_section(ordered, fn, after, compiled_call)
+        result = _traced_section(ordered, fn, after, compiled_call, gated)
     except BaseException:
         for lock in switched:  # A failed trace changes nothing, not even the lock mode.
             lock.undo_runtime()
@@ -169,7 +175,11 @@ def lock_section(
 
 
 def _traced_section(
-    ordered: list[SectionLock], fn: Callable[[], Any], after: Any, compiled_call: bool = False
+    ordered: list[SectionLock],
+    fn: Callable[[], Any],
+    after: Any,
+    compiled_call: bool = False,
+    gated: Sequence[Any] = (),
 ) -> Any:
     """The ops of one section: lock every new lock, run ``fn``, release them all.
 
@@ -183,7 +193,8 @@ def _traced_section(
     is computed: a lock taken while the section still waits for a value that another
     section produces could deadlock against a graph doing the same the other way round
     (``a.assign(b.update(f))`` in one thread, ``b.assign(a.update(g))`` in another;
-    measured here: it hung).
+    measured here: it hung). ``gated`` ops (traced earlier) are made to wait for the
+    gate too; such a section neither joins nor is joined (lock coarsening).
     """
     graph = tfi.default_graph()
     enclosing = _enclosing_sections()
@@ -213,10 +224,12 @@ def _traced_section(
         finally:
             stack.pop()
     inputs = [
-        x for x in tf.nest.flatten(after, expand_composites=True) if isinstance(x, tf.Tensor)
+        x
+        for x in tf.nest.flatten(after, expand_composites=True)
+        if isinstance(x, (tf.Tensor, tf.Operation))
     ]
     previous = coarsening.open_section(graph)
-    joinable = not held and not compiled_call
+    joinable = not held and not compiled_call and not gated
 
     def trace(body: Callable[[], Any]) -> Any:
         stack.append((graph, frozenset(ordered), writes))
@@ -237,6 +250,8 @@ def _traced_section(
                 ),
             )
         locks, gate = _mutex_locks(new, inputs)
+        for op in gated:
+            op._add_control_inputs([gate.op])
         before = len(graph.get_operations())
         with tf.control_dependencies([gate]):
             result = trace(fn)

@@ -110,13 +110,14 @@ def _make_safe(
     on_stale: str = "drop",
     nonfinite: str | None = None,
     deterministic: bool = True,
+    lock_span: str = "step",
     name: str | None = None,
     **kwargs: Any,
 ) -> SafeOptimizer:
     """Implements ``SafeOptimizer(...)``: checks everything, then changes the class."""
     optimizer = _resolve(optimizer)
     settings = check_settings(
-        accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs
+        accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs, lock_span
     )
     if settings["accumulate_steps"] > 1 and optimizer.gradient_accumulation_steps:
         raise InvalidArgumentError(

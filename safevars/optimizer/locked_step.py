@@ -2,7 +2,9 @@
 
 :meth:`LockedStepPart._safevars_section` takes the locks: eagerly
 :func:`safevars.locking.hold`, while tracing :func:`safevars.locking.graph_section`
-(the update is traced inside the locks' mutexes). Inside,
+(the update is traced inside the locks' mutexes; with ``lock_span="step"``, the default,
+the forward pass's reads of the weights wait for the same section:
+:mod:`safevars.step_span`). Inside,
 :meth:`LockedStepPart._safevars_locked_step` applies the policies in one trace-safe
 path (decisions are Python values eagerly and tensors in a graph):
 
@@ -23,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from safevars import step_span
 from safevars.errors import NonFiniteGradientError, assertion_text
 from safevars.locking import graph_section, hold
 from safevars.optimizer.decisions import (
@@ -70,8 +73,14 @@ class LockedStepPart(OptimizerPart):
         if tf.executing_eagerly():
             with hold(guards):
                 body()
-        else:
+            return
+        span = None
+        if runtime.lock_span == "step":
+            span = step_span.plan(tf.compat.v1.get_default_graph(), step.variables)
+        if span is None:  # The lock is taken once every gradient is computed.
             graph_section(guards, body, after=step.grads)
+        else:  # From the forward pass's reads to the last write (safevars.step_span).
+            graph_section(guards, body, after=span.after, gated=span.gated)
 
     def _safevars_locked_step(self, step: _Step, strategy: tf.distribute.Strategy | None) -> None:
         """Everything one call does, with every lock held (one trace-safe path).

@@ -85,6 +85,7 @@ class _Runtime:
         "on_stale",
         "nonfinite",
         "deterministic",
+        "lock_span",
         "build_lock",
         "ready",
         "guards",
@@ -105,6 +106,7 @@ class _Runtime:
     on_stale: str
     nonfinite: str | None
     deterministic: bool
+    lock_span: str
 
     def __init__(self, settings: dict[str, Any], name: str) -> None:
         for key, value in settings.items():

@@ -98,6 +98,15 @@ class SafeOptimizer(
       deterministic: With ``accumulate_steps > 1``: accumulate exactly, so the mean is
         bitwise the same whatever order concurrent calls arrive in (see
         :class:`~safevars.GradientAccumulator`); False keeps a float32 running sum.
+      lock_span: How much of a step traced in a ``tf.function`` runs under the lock.
+        ``"step"`` (default): from the forward pass's reads of the weights to the last
+        write of the update, so the gradients applied are those of the weights updated
+        and the update overlaps the backward pass as in the plain step; threads running
+        traced steps on the same model take turns for whole steps (as XLA-compiled steps
+        do). ``"update"``: only once every gradient is computed, so threads' forward and
+        backward passes overlap (Hogwild-style), at the cost of the update waiting for
+        the last gradient. Eager calls lock the update only, either way. See
+        :mod:`safevars.step_span` for when ``"step"`` falls back to ``"update"``.
       name: Optional: sets the optimizer's ``name``.
 
     Returns:
@@ -141,6 +150,7 @@ class SafeOptimizer(
     deterministic = property(
         lambda self: self._safevars.deterministic, doc="``deterministic`` (read-only)."
     )
+    lock_span = property(lambda self: self._safevars.lock_span, doc="``lock_span`` (read-only).")
 
     @property
     def safevars_state(self) -> SafevarsState:

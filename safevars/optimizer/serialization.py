@@ -65,6 +65,7 @@ class SerializationPart(OptimizerPart):
             "on_stale": runtime.on_stale,
             "nonfinite": runtime.nonfinite,
             "deterministic": runtime.deterministic,
+            "lock_span": runtime.lock_span,
         }
         return config
 

@@ -28,6 +28,9 @@ from safevars.variable import SafeVariable
 NONFINITE_POLICIES = ("skip", "raise")
 """The values ``nonfinite`` accepts besides ``None`` (no check, the default)."""
 
+LOCK_SPANS = ("step", "update")
+"""The values ``lock_span`` accepts (:mod:`safevars.step_span`)."""
+
 
 def check_settings(
     accumulate_steps: Any,
@@ -36,13 +39,14 @@ def check_settings(
     nonfinite: Any,
     deterministic: Any,
     kwargs: dict[str, Any],
+    lock_span: Any = "step",
 ) -> dict[str, Any]:
     """Checks SafeOptimizer's own arguments (nothing is changed before they pass).
 
     Returns:
       The settings, normalised (Python ``int`` s and ``bool`` s), as the optimizer keeps
       them: ``accumulate_steps``, ``max_staleness``, ``on_stale``, ``nonfinite``,
-      ``deterministic``.
+      ``deterministic``, ``lock_span``.
 
     Raises:
       InvalidArgumentError: an argument is out of range, or ``kwargs`` is not empty (an
@@ -60,6 +64,13 @@ def check_settings(
             nonfinite, "nonfinite", NONFINITE_POLICIES, fix="None (the default) does not check."
         )
     deterministic = check_bool(deterministic, "deterministic")
+    lock_span = check_choice(
+        lock_span,
+        "lock_span",
+        LOCK_SPANS,
+        fix='"step" locks a traced step from its reads of the weights; "update" only '
+        "once every gradient is computed.",
+    )
     for key, value in kwargs.items():
         raise InvalidArgumentError(
             f"SafeOptimizer does not take {key}={short(value)}: set it on the optimizer "
@@ -72,6 +83,7 @@ def check_settings(
         "on_stale": on_stale,
         "nonfinite": nonfinite,
         "deterministic": deterministic,
+        "lock_span": lock_span,
     }
 
 
