@@ -44,7 +44,7 @@ from safevars import _tf_internal as tfi
 from safevars import lock_coarsening
 from safevars.sections import _enclosing_sections
 
-__all__ = ["READ_OPS", "Span", "plan"]
+__all__ = ["READ_OPS", "Span", "opening", "plan"]
 
 # Ops that read a resource variable's value (dense reads and gathers).
 READ_OPS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
@@ -76,20 +76,13 @@ def plan(graph: Any, variables: Sequence[Any]) -> Span | None:
       The :class:`Span`, or None when the lock should be taken after the gradients
       (see the module docstring).
     """
-    if tf.executing_eagerly() or tf.distribute.has_strategy():
-        return None
-    if tfi.in_xla_context(graph) or _enclosing_sections():
+    if not _may_open_early(graph):
         return None
     handles = _handles_in(graph, variables)
     if not handles:
         return None
     ops = graph.get_operations()
-    start = 0
-    after = []
-    for index, op in enumerate(ops):
-        if op.type in lock_coarsening.SECTION_OPS or op.type in lock_coarsening.MAY_WAIT:
-            after.append(op)
-            start = index + 1
+    after, start = _blocking(ops)
     gated = tuple(
         op
         for op in ops[start:]
@@ -97,31 +90,76 @@ def plan(graph: Any, variables: Sequence[Any]) -> Span | None:
     )
     if not gated:
         return None
-    return Span(tuple(after), gated)
+    return Span(after, gated)
+
+
+def opening(graph: Any) -> tuple[Any, ...] | None:
+    """What a section traced next in ``graph`` may wait for instead of its inputs.
+
+    A section waits for its inputs (the gradients, the value to write) before it takes
+    its ``MutexLock``, so that computing them does not hold the lock; the ``MutexLock``
+    then completes on the mutex's own thread after the last input, and its latency adds
+    to the function's. Waiting only for the ops traced so far that may wait or take
+    locks (:data:`safevars.lock_coarsening.MAY_WAIT` and other sections' ops) takes the
+    lock as early as is safe: while the inputs are still being computed, so the
+    ``MutexLock`` overlaps that work. The lock is then held while the inputs are
+    computed (other threads' sections on it wait longer; their own computation does
+    not wait).
+
+    Returns:
+      Those ops (possibly none), or None where the section must wait for its inputs:
+      eagerly, under a ``tf.distribute`` strategy, inside another section or an
+      XLA-compiled function.
+    """
+    if not _may_open_early(graph):
+        return None
+    return _blocking(graph.get_operations())[0]
+
+
+def _may_open_early(graph: Any) -> bool:
+    if tf.executing_eagerly() or tf.distribute.has_strategy():
+        return False
+    return not (tfi.in_xla_context(graph) or _enclosing_sections())
+
+
+def _blocking(ops: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
+    """The ops of ``ops`` that may wait or take locks, and the index after the last."""
+    after = []
+    start = 0
+    for index, op in enumerate(ops):
+        if op.type in lock_coarsening.SECTION_OPS or op.type in lock_coarsening.MAY_WAIT:
+            after.append(op)
+            start = index + 1
+    return tuple(after), start
 
 
 def _handles_in(graph: Any, variables: Sequence[Any]) -> set[int]:
-    """ids of the tensors that carry ``variables``' handles inside ``graph``.
-
-    A variable used in a ``tf.function`` is captured: its eager handle becomes a
-    placeholder of the function's graph, and of each graph nested in it (a ``tf.cond``
-    branch, a loop body) in turn.
-    """
-    chain = []
-    current = graph
-    while current is not None and hasattr(current, "outer_graph"):
-        chain.append(current)
-        current = current.outer_graph
+    """ids of the tensors that carry ``variables``' handles inside ``graph``."""
     found = set()
     for variable in variables:
         handle = _handle(variable)
-        for nested in reversed(chain):  # outermost first
-            if handle is None:
-                break
-            handle = tfi.captured_placeholder(nested, handle)
-        if handle is not None:
-            found.add(id(handle))
+        internal = _captured(graph, handle) if handle is not None else None
+        if internal is not None:
+            found.add(id(internal))
     return found
+
+
+def _captured(graph: Any, handle: Any) -> Any:
+    """The placeholder of ``graph`` that carries the eager ``handle``, or None.
+
+    A variable used in a ``tf.function`` is captured: its eager handle becomes a
+    placeholder of the function's graph. A nested ``tf.function`` (Keras' train step
+    inside its ``train_function``) captures the eager handle itself; a ``tf.cond`` branch
+    or a loop body captures the enclosing graph's placeholder.
+    """
+    direct = tfi.captured_placeholder(graph, handle)
+    if direct is not None:
+        return direct
+    outer = getattr(graph, "outer_graph", None)
+    if outer is None or not hasattr(outer, "outer_graph"):
+        return None
+    through = _captured(outer, handle)
+    return None if through is None else tfi.captured_placeholder(graph, through)
 
 
 def _handle(variable: Any) -> Any:

@@ -1,10 +1,11 @@
-"""A traced SafeOptimizer step locked from its reads of the weights (``lock_span="step"``).
+"""Traced steps locked from their start: SafeOptimizer's ``lock_span="step"`` (from the
+reads of the weights) and GradientAccumulator's (a traced ``add`` takes its lock early).
 
 What must hold: the forward pass's reads wait for the step's section, so concurrent
 traced steps equal some serial order of whole steps; the lock is never taken before an
 op that may wait for another thread (a Python function, an iterator, another section),
 so such an op that wants the same lock does not deadlock; and ``lock_span="update"``
-keeps the lock off the forward and backward passes.
+(``"add"`` for the accumulator) keeps the lock off the forward and backward passes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from graph_walk import ancestors
 from threading_harness import call_bounded, run_threads
 
 import safevars
-from safevars import InvalidArgumentError, SafeOptimizer
+from safevars import GradientAccumulator, InvalidArgumentError, SafeOptimizer
 
 
 def _model(seed: int = 0):
@@ -193,3 +194,97 @@ def test_lock_span_is_checked_kept_in_the_config_and_read_only():
     assert SafeOptimizer(keras.optimizers.SGD()).lock_span == "step"
     with pytest.raises(AttributeError):
         opt.lock_span = "step"
+
+
+# ---------------------------------------------------------------- GradientAccumulator.add
+
+
+def _traced_add(lock_span: str, before=None):
+    """A traced micro-step (forward, backward, add) of ``_model``'s gradients."""
+    model = _model()
+    acc = GradientAccumulator(model.trainable_variables, lock_span=lock_span)
+    x = tf.ones([5, 4])
+
+    @tf.function(autograph=False)
+    def micro_step():
+        inputs = before(x, acc) if before is not None else x
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(inputs))
+        return acc.add(tape.gradient(loss, model.trainable_variables))
+
+    return micro_step, acc, model
+
+
+def test_a_traced_add_takes_its_lock_before_the_gradients_are_computed():
+    micro_step, _, _ = _traced_add("step")
+    graph = micro_step.get_concrete_function().graph
+    lock = _one(graph, "MutexLock")
+    assert not {op.type for op in ancestors(lock)} & {"MatMul", "ReadVariableOp"}
+
+
+def test_lock_span_add_takes_the_lock_after_the_gradients():
+    micro_step, _, _ = _traced_add("add")
+    graph = micro_step.get_concrete_function().graph
+    lock = _one(graph, "MutexLock")
+    assert "MatMul" in {op.type for op in ancestors(lock)}
+
+
+def test_a_python_function_that_adds_before_a_traced_add_does_not_deadlock():
+    wide = tf.ones([256, 256])
+
+    def before(x, acc):
+        def add_eagerly(t):
+            acc.add([tf.zeros_like(v) for v in acc_variables])  # under the same lock
+            return t
+
+        slow = tf.reduce_sum(tf.matmul(tf.matmul(wide, wide), wide)) * 0.0
+        out = tf.py_function(add_eagerly, [x + slow], tf.float32)
+        out.set_shape(x.shape)
+        return out
+
+    micro_step, acc, model = _traced_add("step", before)
+    acc_variables = model.trainable_variables
+    for _ in range(4):
+        call_bounded(micro_step, timeout=60)
+    assert acc.count == 8  # four traced adds, four eager ones
+
+
+def test_four_threads_of_traced_micro_steps_add_every_contribution_once():
+    micro_step, acc, model = _traced_add("step")
+    threads, calls = 4, 10
+    run_threads(threads, lambda index: [micro_step() for _ in range(calls)])
+    assert acc.count == threads * calls
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.ones([5, 4])))
+    expected = tape.gradient(loss, model.trainable_variables)
+    for got, want in zip(acc.take(), expected):  # the mean of equal contributions
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_the_accumulators_lock_span_is_checked():
+    model = _model()
+    with pytest.raises(InvalidArgumentError, match="lock_span must be one of 'step', 'add'"):
+        GradientAccumulator(model.trainable_variables, lock_span="update")
+
+
+def test_model_fit_runs_its_steps_with_the_reads_inside_the_section(monkeypatch):
+    """Keras' train step is a tf.function nested in its train_function; its reads of the
+    weights must be found there too (a silent fall back to "update" would pass every
+    other test)."""
+    from safevars import step_span
+
+    spans = []
+    plan = step_span.plan
+
+    def recording_plan(graph, variables):
+        spans.append(plan(graph, variables))
+        return spans[-1]
+
+    monkeypatch.setattr(step_span, "plan", recording_plan)
+    model = _model()
+    model.compile(optimizer=SafeOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones([8, 4], np.float32), np.zeros([8, 2], np.float32)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert spans and all(span is not None for span in spans)
+    assert all(len(span.gated) >= len(model.trainable_variables) for span in spans)
+    assert int(model.optimizer.iterations.numpy()) == 4

@@ -16,6 +16,7 @@ from typing import Any, cast
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
+from safevars import step_span
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
@@ -30,8 +31,13 @@ class _Commit(_AccumulatorBase):
     def _commit(self, parts: list[_Part]) -> int | tf.Tensor:
         """Decides and commits contributions in one critical section."""
         if not tf.executing_eagerly():
-            # The lock waits for every tensor of the contributions (after=parts).
-            return graph_section([self._guard], lambda: self._commit_body(parts), parts)
+            # The lock waits for every tensor of the contributions (after=parts), or with
+            # lock_span="step" only for what may wait or take locks (safevars.step_span).
+            early = None
+            if self._lock_span == "step":
+                early = step_span.opening(tf.compat.v1.get_default_graph())
+            after = parts if early is None else early
+            return graph_section([self._guard], lambda: self._commit_body(parts), after)
         if self._remote:
             accepted = int(
                 self._run_remote(

@@ -86,6 +86,7 @@ __all__ = ["GradientAccumulator"]
 _MIN_ROWS = 4
 _REDUCTIONS = ("mean", "sum")
 _NONFINITE_POLICIES = ("propagate", "raise", "skip")
+_LOCK_SPANS = ("step", "add")
 
 
 class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement, tf.Module):
@@ -123,6 +124,17 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         default: accumulate it, as IEEE addition would), "raise"
         (:class:`~safevars.NonFiniteGradientError`, nothing accumulated) or "skip"
         (counted in ``statistics().rejected``).
+      lock_span: When an ``add`` traced in a ``tf.function`` takes the lock. ``"step"``
+        (default): as early as the function allows, once every op traced before the
+        ``add`` that may wait or take other locks (a Python function, an iterator, a
+        call, control flow, another section) has run, so the ``MutexLock`` (which
+        completes on the mutex's own thread) overlaps the gradient computation instead
+        of following it; the lock is then held while the function computes the
+        gradients it adds. Other threads' ``add``/``take`` wait for it meanwhile; their
+        own gradient computation does not. ``"add"``: once the contribution is
+        computed, so the lock is held only for the commit. Eager calls take it for the
+        commit only, either way. Under a ``tf.distribute`` strategy, inside another
+        section or an XLA-compiled function, ``"step"`` behaves as ``"add"``.
       name: Name of the module and prefix of its state variables.
 
     Raises:
@@ -134,8 +146,10 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
       ``add``, ``take``, ``take_if_ready`` and ``reset`` are atomic with respect to each
       other in every thread, eagerly and inside ``tf.function``s: a contribution is taken
       exactly once or discarded by ``reset``, never lost or counted twice. The gradient
-      arithmetic of ``add`` runs outside the lock; only the commit (a copy of the
-      contribution into free buffer rows, or an ``assign_add``) holds it. ``take`` holds
+      arithmetic of ``add`` runs outside the lock (with ``lock_span="step"`` a traced
+      ``add`` holds it while its function computes the gradients, see ``lock_span``);
+      the commit (a copy of the contribution into free buffer rows, or an
+      ``assign_add``) holds it. ``take`` holds
       it while it reads the pending state: a deterministic accumulator reduces the rows
       in place then (one compiled pass, no copy); ``deterministic=False`` copies the
       running sum and divides after.
@@ -181,6 +195,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         on_stale: str = "drop",
         deterministic: bool = True,
         nonfinite: str = "propagate",
+        lock_span: str = "step",
         name: str = "gradient_accumulator",
     ) -> None:
         super().__init__(name=name)
@@ -191,12 +206,20 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         nonfinite = check_choice(nonfinite, "nonfinite", _NONFINITE_POLICIES)
         num_required = check_int(num_required, "num_required", 1, optional=True)
         deterministic = check_bool(deterministic, "deterministic")
+        lock_span = check_choice(
+            lock_span,
+            "lock_span",
+            _LOCK_SPANS,
+            fix='"step" takes a traced add\'s lock as early as its function allows; "add" '
+            "once its gradients are computed.",
+        )
         self._reduction = reduction
         self._num_required = num_required
         self._max_staleness = max_staleness
         self._on_stale = on_stale
         self._deterministic = deterministic
         self._nonfinite = nonfinite
+        self._lock_span = lock_span
 
         leaves = tf.nest.flatten(variables)
         if not leaves:

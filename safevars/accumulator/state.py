@@ -231,6 +231,7 @@ class _AccumulatorBase:
     _on_stale: str
     _deterministic: bool
     _nonfinite: str
+    _lock_span: str
     _helpers: _Helpers
     _slots: tuple[_Slot, ...]
     _size: int
