@@ -49,11 +49,14 @@ contribution, then adds it with ``assign_add``. An XLA-compiled add reading the 
 they are was 0.5 ms faster per add on one core, but 26 ms per add (75x slower) with two
 cores, so it was reverted.
 
-The floor of any design that takes a TensorFlow mutex per ``add`` (README, "Results",
-measured 2026-11-26): Keras' own micro-step of mlp2x128 with only a ``MutexLock`` /
-``ConsumeMutexLock`` pair added around its update reads 1.18x (``MutexLock`` hands every
-acquisition to the mutex's own thread), and taking the lock eagerly around the call
-costs as much; the 1.10 goal on mlp2x128 needs a lock without the TensorFlow mutex.
+What one TensorFlow mutex per ``add`` costs (README, "Results", measured 2026-11-26):
+Keras' own micro-step of mlp2x128 with only a ``MutexLock`` / ``ConsumeMutexLock`` pair
+added around its update read 1.18x: ``MutexLock`` hands every acquisition to the mutex's
+own thread, and the update waited for that after the last gradient. A traced ``add``
+now takes its lock at the start of the micro-step (``lock_span="step"``,
+:func:`safevars.step_span.opening`), so the acquisition overlaps the forward and backward
+passes: the deterministic variant went from 1.22x to 1.11x on mlp2x128 in one run each
+(``lock_span="add"`` is the old behaviour).
 
 ``params`` records the memory cost of ``deterministic=True``: bytes of accumulation state
 for each variant; the deterministic buffer holds one float32 block per pending

@@ -1,9 +1,11 @@
 """Family 3: training with ``SafeOptimizer(Adam)`` against plain ``Adam``.
 
 Every case has two variants built from the same initial weights: plain
-``keras.optimizers.Adam`` (the baseline) and ``SafeOptimizer(Adam)``, whose update runs
-inside the variables' critical section (one lock for the whole step, shared by every
-model variable and the optimizer's state) and adds 1 to every variable's version.
+``keras.optimizers.Adam`` (the baseline) and ``SafeOptimizer(Adam)`` (default settings),
+whose traced step runs inside the variables' critical section from the forward pass's
+reads of the weights to the update (``lock_span="step"``; one lock for the whole step,
+shared by every model variable and the optimizer's state) and adds 1 to every variable's
+version (one joint add for all of them).
 
 * ``train_step/mlp3x512/b256``: one ``tf.function`` training step (forward, backward and
   ``apply_gradients``) of an MLP of 3 × 512 ``Dense`` layers (ReLU) and a 10-way softmax,
@@ -37,23 +39,20 @@ model variable and the optimizer's state) and adds 1 to every variable's version
 
 All run on ``ctx.device``; data are generated once with a fixed seed.
 
-Where the extra time goes (in-process ablations of the deep step, both cores, 120-200
-A/B rounds, plain Adam 2.2-2.4 ms): the safe step reads 1.27-1.35x; taking the lock at the
-start of the step instead of after the last gradient reads 1.15x (the update waits for
-every gradient, so no lock is held during the backward pass, but Adam's updates no longer
-overlap it: about 0.25 ms), without the version adds 1.18x (one int64 add per variable
-version and one for the counters, 53 kernels: about 0.2 ms), both together 1.04x. The
-gate op after the ``MutexLock`` (the step's ops wait for it, not for the async
-``MutexLock``, whose successors the executor hands to its thread pool one task each)
-saved 0.13-0.16 ms on one core and reads within the noise on two. Two plain-Adam models
-built alike differed by up to 5% in one A/B run here, so a single run's ratio carries
-about that much noise on this 2-core machine.
-
-What the deep-step goal needs (README, "Results", measured 2026-11-26): the step's section
-traced as the XLA path traces it (the lock held around the call, no mutex op in the
-graph) read 1.12-1.23x against 1.28-1.41x in the same runs, and 1.04-1.07x with no
-version adds as well. Holding the lock around the whole call serializes concurrent steps'
-forward and backward passes, a change of guarantee that is not made.
+Where the extra time went before 0.2 (in-process ablations of the deep step, both cores,
+120-200 A/B rounds, plain Adam 2.2-2.4 ms): the safe step read 1.27-1.35x; taking the
+lock at the start of the step instead of after the last gradient read 1.15x (with the
+lock after the last gradient, Adam's updates no longer overlap the backward pass: about
+0.25 ms), without the version adds 1.18x (one int64 add per variable version and one for
+the counters, 53 kernels: about 0.2 ms), both together 1.04x. Both changes are made now:
+the section opens before the forward pass's reads (:mod:`safevars.step_span`) and one
+joint add counts every model variable's version
+(:mod:`safevars.locking.joint_versions`); ``SafeOptimizer(..., lock_span="update")`` is
+the old span. The gate op after the ``MutexLock`` (the step's ops wait for it, not for
+the async ``MutexLock``, whose successors the executor hands to its thread pool one task
+each) saved 0.13-0.16 ms on one core and reads within the noise on two. Two plain-Adam
+models built alike differed by up to 5% in one A/B run here, so a single run's ratio
+carries about that much noise on this 2-core machine.
 """
 
 from __future__ import annotations

@@ -21,7 +21,11 @@ learning rate, Keras' gradient accumulators, safevars' counters):
 
 When it is built, the optimizer asks :func:`safevars.locking.share_lock` to let its
 model variables and its state share one lock (each keeping its own version): one step
-then takes one lock, however many variables the model has.
+then takes one lock, however many variables the model has; and
+:func:`safevars.locking.join_versions` to count the versions of a step that writes
+every model variable with one add. In a ``tf.function`` the section spans the whole
+step by default, from the forward pass's reads of the weights (``lock_span="step"``,
+:mod:`safevars.step_span`).
 
 **Why a class made per optimizer class, not a proxy.** ``SafeOptimizer(adam)`` gives
 ``adam`` the class ``SafeOptimizer[Adam]`` (made once per optimizer class, a subclass of
@@ -75,10 +79,13 @@ NOTES:
   * Writes that bypass safevars (another optimizer on the same variables, or
     ``layer.kernel.assign(...)`` on a plain Keras variable) are neither locked nor
     counted. Write through :func:`safevars.wrap` or use ``safevars.locked``.
-  * Computing the gradient is not part of the section (that would serialize the
-    forward and backward passes): a gradient may be computed from parameters another
-    thread updates before it is applied. That is what ``version=`` and
-    ``max_staleness`` are for.
+  * Eagerly, and in a ``tf.function`` with ``lock_span="update"`` (or where
+    ``"step"`` falls back, see :mod:`safevars.step_span`), computing the gradient is not
+    part of the section: a gradient may be computed from parameters another thread
+    updates before it is applied. That is what ``version=`` and ``max_staleness`` are
+    for. With ``lock_span="step"`` (the default) a traced step's reads of the weights
+    are inside the section, so its gradient is that of the weights it updates, and
+    threads' traced steps on one model take turns for whole steps.
   * An error the validation cannot foresee (a kernel failing half-way) leaves the update
     half done, as with the plain optimizer. Every mistake that can be checked before the
     update (unknown variable, shape, dtype, versions, staleness, non-finite values) is
