@@ -185,3 +185,13 @@ def test_a_partial_step_counts_per_variable(traced):
     for _ in range(2):
         apply() if traced else opt.apply_gradients(pairs)
     assert _versions(model) == [2, 2, 0, 0]
+
+
+def test_the_counter_counts_only_its_exact_set_of_members():
+    model, _ = _model_and_optimizer()
+    guards = [safevars.wrap(v).guard for v in model.trainable_variables]
+    counter = guards[0].joint
+    assert counter.counts_exactly(list(reversed(guards)))
+    assert not counter.counts_exactly(guards[:-1])
+    assert not counter.counts_exactly([guards[0], *guards[:-1]])  # a member twice
+    assert not counter.counts_exactly([*guards[:-1], SafeVariable(0.0).guard])

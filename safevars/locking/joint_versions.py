@@ -29,7 +29,6 @@ validates with the lock's sequence number):
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +51,7 @@ class JointCounter:
       size: How many guards it counts for.
     """
 
-    __slots__ = ("variable", "size", "_members", "__weakref__")
+    __slots__ = ("variable", "size", "__weakref__")
 
     def __init__(self, guards: Sequence[Guard], device: str) -> None:
         with tf.init_scope(), tf.device(device):
@@ -63,11 +62,12 @@ class JointCounter:
                 shape=(),
             )
         self.size = len(guards)
-        self._members: weakref.WeakSet[Guard] = weakref.WeakSet(guards)
 
     def counts_exactly(self, guards: Sequence[Guard]) -> bool:
         """Whether ``guards`` (distinct) are exactly this counter's members."""
-        return len(guards) == self.size and all(g.joint is self for g in guards)
+        if len(guards) != self.size or len({id(g) for g in guards}) != self.size:
+            return False
+        return all(g.joint is self for g in guards)
 
     def value(self) -> int:
         """The counter, eagerly (the caller holds a member's lock)."""
@@ -135,7 +135,7 @@ def bump_eager_together(guards: Sequence[Guard], writes: int = 1) -> None:
     otherwise each guard counts its own (a Python ``int`` before run-time mode).
     """
     counter = _distinct_counter(guards)
-    if counter is None or not guards[0].lock.runtime:
+    if counter is None or not all(g.lock.runtime for g in guards):
         for guard in guards:
             guard.bump_eager(writes)
         return
