@@ -11,6 +11,7 @@ import keras
 import pytest
 import tensorflow as tf
 from threading_harness import run_threads
+from traced_step import traced_step
 
 import safevars
 from safevars import SafeOptimizer, SafeVariable
@@ -35,18 +36,7 @@ def _versions(model):
 
 
 def _traced_step(model, opt, skip: int | None = None):
-    x = tf.ones([5, 4])
-
-    @tf.function(autograph=False)
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        if skip is not None:
-            grads[skip] = None
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
-    return step
+    return traced_step(model, opt, skip=skip)
 
 
 def test_the_optimizer_gives_its_model_variables_one_joint_counter():

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from graph_walk import ancestors
 from threading_harness import run_threads
+from traced_step import traced_step
 
 import safevars
 from safevars import SafeOptimizer, SafeVariable
@@ -30,15 +31,7 @@ def _traced_step():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     opt = SafeOptimizer(keras.optimizers.Adam(1e-3))
     opt.build(model.trainable_variables)
-    x = tf.ones([5, 4])
-
-    @tf.function(autograph=False)
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
+    step = traced_step(model, opt)
     return step.get_concrete_function().graph, model, opt
 
 

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 from graph_walk import ancestors
 from threading_harness import call_bounded, run_threads
+from traced_step import traced_step
 
 import safevars
 from safevars import GradientAccumulator, InvalidArgumentError, SafeOptimizer
@@ -31,16 +32,7 @@ def _step_graph(lock_span: str, before=None):
     model = _model()
     opt = SafeOptimizer(keras.optimizers.Adam(1e-3), lock_span=lock_span)
     opt.build(model.trainable_variables)
-    x = tf.ones([5, 4])
-
-    @tf.function(autograph=False)
-    def step():
-        inputs = before(x) if before is not None else x
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(inputs))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
+    step = traced_step(model, opt, before=before)
     return step.get_concrete_function().graph, model
 
 
