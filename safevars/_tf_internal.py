@@ -184,12 +184,12 @@ def in_xla_context(graph=None) -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())
 
 
-def captured_placeholder(graph, tensor):
-    """The placeholder of the function graph ``graph`` that carries the captured
-    ``tensor`` (an outer graph's tensor or an eager one), or None
+def captured_placeholder(graph, tensor_id):
+    """The placeholder of the function graph ``graph`` that carries the captured tensor
+    whose ``id`` is ``tensor_id`` (an outer graph's tensor or an eager one), or None
     (``FuncGraph._function_captures``)."""
     captures = getattr(graph, "_function_captures", None)
-    return getattr(captures, "by_val_internal", {}).get(id(tensor))
+    return getattr(captures, "by_val_internal", {}).get(tensor_id)
 
 
 def keep_cond_as_kernel(op) -> None:

@@ -46,13 +46,21 @@ import tensorflow as tf
 
 from safevars.locking import SectionLock
 
-__all__ = ["OpenSection", "after_release", "can_join", "join", "open_section", "record"]
+__all__ = [
+    "OpenSection",
+    "after_release",
+    "can_join",
+    "join",
+    "may_wait_or_lock",
+    "open_section",
+    "record",
+]
 
-SECTION_OPS = frozenset(("MutexLock", "ConsumeMutexLock"))
+_SECTION_OPS = frozenset(("MutexLock", "ConsumeMutexLock"))
 # Ops that may wait for something outside the function (another thread's enqueue, a
 # peer, Python) or run a graph that may take other locks: a joined section must not
 # hold its lock while waiting for one of them.
-MAY_WAIT = frozenset(
+_MAY_WAIT = frozenset(
     (
         "PartitionedCall",
         "StatefulPartitionedCall",
@@ -198,9 +206,16 @@ def _orders_after_release(op: Any) -> bool:
     return not any(t.dtype == tf.resource for t in op.inputs)
 
 
+def may_wait_or_lock(op: Any) -> bool:
+    """Whether ``op`` is a section's op (``MutexLock``, ``ConsumeMutexLock``) or may wait
+    for something outside the function or run a graph that may take other locks
+    (``_MAY_WAIT``): a lock must not be held while it runs."""
+    return op.type in _SECTION_OPS or op.type in _MAY_WAIT
+
+
 def _depends_on_section(graph: Any, op: Any) -> bool:
     """Whether ``op`` is, or depends on, a section's op (``MutexLock``,
-    ``ConsumeMutexLock``) or an op that may wait or take other locks (``MAY_WAIT``: a
+    ``ConsumeMutexLock``) or an op that may wait or take other locks (``_MAY_WAIT``: a
     function call, control flow, a queue, an iterator, a collective, Python), iteratively,
     memoized per graph."""
     with _LOCK:
@@ -214,7 +229,7 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
         if current in memo:
             stack.pop()
             continue
-        if current.type in SECTION_OPS or current.type in MAY_WAIT:
+        if may_wait_or_lock(current):
             memo[current] = True
             stack.pop()
             continue

@@ -9,7 +9,7 @@ and which reads it must gate:
 * The section's ``MutexLock`` waits for every op traced before it that may wait for
   something outside the function or take other locks (another section's ops, a function
   call, control flow, a queue, an iterator, a collective, a Python function:
-  :data:`safevars.lock_coarsening.MAY_WAIT`): none of those runs while the lock is held,
+  :func:`safevars.lock_coarsening.may_wait_or_lock`): none of those runs while the lock is held,
   so the lock is never held while waiting for another thread, a peer or Python code that
   might want it (hold-and-wait).
 * Every read of the step's variables traced after the last such op waits for the
@@ -107,7 +107,7 @@ def opening(graph: Any) -> tuple[Any, ...] | None:
     its ``MutexLock``, so that computing them does not hold the lock; the ``MutexLock``
     then completes on the mutex's own thread after the last input, and its latency adds
     to the function's. Waiting only for the ops traced so far that may wait or take
-    locks (:data:`safevars.lock_coarsening.MAY_WAIT` and other sections' ops) takes the
+    locks (:func:`safevars.lock_coarsening.may_wait_or_lock`) takes the
     lock as early as is safe: while the inputs are still being computed, so the
     ``MutexLock`` overlaps that work. The lock is then held while the inputs are
     computed (other threads' sections on it wait longer; their own computation does
@@ -134,7 +134,7 @@ def _blocking(ops: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
     after = []
     start = 0
     for index, op in enumerate(ops):
-        if op.type in lock_coarsening.SECTION_OPS or op.type in lock_coarsening.MAY_WAIT:
+        if lock_coarsening.may_wait_or_lock(op):
             after.append(op)
             start = index + 1
     return tuple(after), start
@@ -159,14 +159,14 @@ def _captured(graph: Any, handle: Any) -> Any:
     inside its ``train_function``) captures the eager handle itself; a ``tf.cond`` branch
     or a loop body captures the enclosing graph's placeholder.
     """
-    direct = tfi.captured_placeholder(graph, handle)
+    direct = tfi.captured_placeholder(graph, id(handle))
     if direct is not None:
         return direct
     outer = getattr(graph, "outer_graph", None)
     if outer is None or not hasattr(outer, "outer_graph"):
         return None
     through = _captured(outer, handle)
-    return None if through is None else tfi.captured_placeholder(graph, through)
+    return None if through is None else tfi.captured_placeholder(graph, id(through))
 
 
 def _handle(variable: Any) -> Any:

@@ -16,8 +16,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from safevars._tf_internal import (
+    captured_placeholder,
+    func_graph_module,
+    ops,
+    resource_variable_ops,
+)
 from safevars._tf_internal import eager_context_module as context
-from safevars._tf_internal import func_graph_module, ops, resource_variable_ops
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK
 from safevars.audit.happens_before import _SECTION_IDS, _SEQ, _Access, _eager_protection
@@ -59,8 +64,7 @@ def _input_position(graph: Any, handle_id: int) -> int | None:
     """Index of the input of ``graph`` that carries the handle ``id`` (or None)."""
     # While a function is being traced, its inputs list holds the arguments' external
     # handles; afterwards the internal placeholders.
-    captures = getattr(graph, "_function_captures", None)
-    internal = getattr(captures, "by_val_internal", {}).get(handle_id)
+    internal = captured_placeholder(graph, handle_id)
     for index, placeholder in enumerate(graph.inputs):
         if id(placeholder) == handle_id or (internal is not None and placeholder is internal):
             return index
