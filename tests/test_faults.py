@@ -421,3 +421,47 @@ def test_an_exception_at_every_check_point_of_a_two_variable_section():
     gc.collect()
     for v in (a, b):
         _assert_free_and_paired(v)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
+def test_asynchronous_exceptions_into_optimizer_steps_keep_joint_versions_together(traced):
+    """Steps of a SafeOptimizer whose model variables share a joint version counter
+    (one add counts them all), eagerly in run-time mode and traced with the whole step
+    locked (``lock_span="step"``). An interrupt anywhere leaves the shared lock free and
+    every model variable at the same version: a step counts all of them or none."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    opt = safevars.SafeOptimizer(keras.optimizers.SGD(0.0))
+    opt.build(model.trainable_variables)
+    variables = [safevars.wrap(v) for v in model.trainable_variables]
+    assert variables[0].guard.joint is not None
+    x = tf.ones([5, 4])
+
+    def full_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    traced_step = tf.function(full_step, autograph=False)
+    traced_step()  # the shared lock in run-time mode: eager steps take its mutex too
+    # Eagerly, the gradients are computed once: an injection into Keras' forward pass
+    # is swallowed there (its input-structure check catches every exception and warns).
+    grads = [tf.ones_like(v) for v in model.trainable_variables]
+
+    def eager_step():
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = traced_step if traced else eager_step
+    caught = _run_with_injections(step, workers=3, injections=200, seed=11 + traced)
+    assert sum(caught) == 200
+    versions = [v.version for v in variables]
+    assert versions[0] > 1 and versions == [versions[0]] * len(versions), versions
+    assert safevars.held_locks() == []
+    for v in variables:
+        stats = v.statistics()
+        assert not stats.locked and stats.owner is None and stats.depth == 0, stats
+    run_threads(1, lambda _: step())  # the lock still works, from a fresh thread
+    assert [v.version for v in variables] == [versions[0] + 1] * len(variables)
