@@ -7,6 +7,8 @@ through checkpoints (whose entries stay those of a plain version variable).
 
 from __future__ import annotations
 
+import threading
+
 import keras
 import pytest
 import tensorflow as tf
@@ -185,3 +187,42 @@ def test_the_counter_counts_only_its_exact_set_of_members():
     assert not counter.counts_exactly(guards[:-1])
     assert not counter.counts_exactly([guards[0], *guards[:-1]])  # a member twice
     assert not counter.counts_exactly([*guards[:-1], SafeVariable(0.0).guard])
+
+
+def test_restores_racing_joint_steps_keep_each_value_with_its_version(tmp_path):
+    """SGD(1.0) on gradients of ones: every step lowers each weight by 1 and adds 1 to
+    its version (one joint add), so ``weight + version`` is the same in every state that
+    existed (101: the ``assign`` that set 100 counted one). Restores of a checkpoint race two threads of traced steps; a restore that
+    wrote the version without subtracting the joint counter would break the sum."""
+    with safevars.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        opt = SafeOptimizer(keras.optimizers.SGD(1.0))
+    kernel, bias = model.trainable_variables
+    kernel.assign([[100.0]])
+    bias.assign([100.0])
+    opt.build(model.trainable_variables)
+    ones = [tf.ones([1, 1]), tf.ones([1])]
+
+    @tf.function(autograph=False)
+    def step():
+        opt.apply_gradients(zip(ones, model.trainable_variables))
+
+    for _ in range(3):
+        step()
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    stop = threading.Event()
+
+    def role(index):
+        if index == 0:
+            for _ in range(10):
+                checkpoint.read(path).assert_consumed()
+            stop.set()
+        else:
+            while not stop.is_set():
+                step()
+
+    run_threads(3, role)
+    for v in model.trainable_variables:
+        value = float(tf.reshape(v, [-1])[0])
+        assert value + safevars.wrap(v).version == 101.0, (value, safevars.wrap(v).version)
