@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from graph_walk import ancestors
 from threading_harness import run_threads
 
 from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
@@ -883,6 +884,34 @@ class TestBadInput:
             add(tf.constant([5]))
         assert state(acc) == before
         assert as_int(add(tf.constant([1]))) == 1
+
+    @pytest.mark.parametrize("deterministic", [True, False])
+    def test_every_state_change_of_a_traced_add_waits_for_its_value_checks(self, deterministic):
+        """With lock_span="step" the lock is taken before the gradients exist, so the
+        section's writes (counters, growth, rows or sum) must wait for the checks
+        themselves: before they did not, and a refused add changed the counters in about
+        1 of 40 runs, as the executor happened to order the ops."""
+        acc = GradientAccumulator(
+            [tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([3]))],
+            deterministic=deterministic,
+        )
+        add = tf.function(
+            lambda i: acc.add([tf.IndexedSlices(tf.ones([1, 2]), i), tf.ones([3])]),
+            autograph=False,
+        )
+        graph = add.get_concrete_function(tf.TensorSpec([1], tf.int32)).graph
+        inner = {id(outer): inner for outer, inner in graph.captures}
+        handles = (inner[id(acc._state.handle)], inner[id(acc._counters.handle)])
+        reads = {"ReadVariableOp", "ResourceGather", "VariableShape"}
+        writes = [
+            op
+            for op in graph.get_operations()
+            if op.type not in reads and any(t is h for t in op.inputs for h in handles)
+        ]
+        checks = {op for op in graph.get_operations() if op.type == "Assert"}
+        assert writes and checks
+        for op in writes:
+            assert ancestors(op) & checks, f"{op.type} does not wait for the checks"
 
     def test_numpy_and_python_gradients_are_converted(self):
         acc = self.make(reduction="sum")

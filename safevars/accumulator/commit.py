@@ -36,8 +36,17 @@ class _Commit(_AccumulatorBase):
             early = None
             if self._lock_span == "step":
                 early = step_span.opening(tf.compat.v1.get_default_graph())
-            after = parts if early is None else early
-            return graph_section([self._guard], lambda: self._commit_body(parts), after)
+            if early is None:
+                return graph_section([self._guard], lambda: self._commit_body(parts), parts)
+
+            def body() -> int | tf.Tensor:
+                # The lock is taken early, so every state change (counters, growth,
+                # rows) waits for the contributions here instead: they depend on the
+                # value checks, and a refused add must change nothing.
+                with tf.control_dependencies(_part_tensors(parts)):
+                    return self._commit_body(parts)
+
+            return graph_section([self._guard], body, early)
         if self._remote:
             accepted = int(
                 self._run_remote(
@@ -227,6 +236,14 @@ class _Commit(_AccumulatorBase):
             return tf.reduce_max(tf.stack([tf.cast(v, tf.int64) for v in versions]))
         takes = self._counters[_TAKES]
         return int(takes) if tf.executing_eagerly() else takes
+
+
+def _part_tensors(parts: list[_Part]) -> list[Any]:
+    """Every tensor of the contributions (values, elements, flags, versions)."""
+    leaves = tf.nest.flatten(
+        [(p.elements, p.values, p.finite, p.version) for p in parts], expand_composites=True
+    )
+    return [x for x in leaves if isinstance(x, (tf.Tensor, tf.Operation))]
 
 
 def _keep_as_kernel(result: tf.Tensor) -> None:
