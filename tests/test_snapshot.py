@@ -169,7 +169,12 @@ def test_snapshots_keep_up_with_locked_reads_under_a_writer_that_never_pauses():
     """Issue #17: under a busy writer the optimistic reader used to retry up to 64
     times, re-reading tensors, and completed 9-18 snapshots in the window where the same
     reader doing locked reads completed 537. Now a failed optimistic read falls back to
-    the locks at once. Windows alternate between the two readers, same writer workload."""
+    the locks at once. Windows alternate between the two readers, same writer workload.
+
+    The two rates are about equal now, so the bound leaves a factor of 2 for timing
+    noise (``snapshots >= locked_reads`` failed in quiet runs, 4506 against 4595): the
+    regression it guards against was a factor of 30-60. The exact bound is the next
+    test's (each variable read at most twice)."""
     snapshots, locked_reads, torn = 0, 0, []
     for _ in range(3):
         for reader in ("snapshot", "locked"):
@@ -179,7 +184,7 @@ def test_snapshots_keep_up_with_locked_reads_under_a_writer_that_never_pauses():
                 snapshots += count
             else:
                 locked_reads += count
-    assert snapshots >= locked_reads, (snapshots, locked_reads)
+    assert 2 * snapshots >= locked_reads, (snapshots, locked_reads)
     assert not torn, f"a snapshot or locked read was torn: {torn[:5]}"
 
 
