@@ -192,6 +192,12 @@ def captured_placeholder(graph, tensor_id):
     return getattr(captures, "by_val_internal", {}).get(tensor_id)
 
 
+def set_input(op, index, tensor) -> None:
+    """Makes ``tensor`` input ``index`` of ``op``, an op of a graph being traced
+    (``Operation._update_input``)."""
+    op._update_input(index, tensor)
+
+
 def keep_cond_as_kernel(op) -> None:
     """Runs a ``tf.cond``'s ``If`` op as one kernel, not lowered to ``Switch``/``Merge``
     (``Operation._set_attr``; TensorFlow's own control-flow code sets this attribute)."""

@@ -33,23 +33,40 @@ only when all of this holds, and the section is traced on its own otherwise:
 
 If the body turns out not to qualify once traced, it gets mutexes of its own (the
 section is then exactly what it would have been, only built after its body).
+
+Version counts. A plain write (``v.assign(x)``, ``assign_add``, ``assign_sub``: a
+section whose body is that one write) leaves its version count to the section
+(:func:`deferring`, :func:`defer_count`): the count is traced after the body
+(:func:`count_writes`), and a write that joins a section where its variable was
+counted already adds to that count instead of tracing one more: eight joined
+``v.assign_add(d)`` add 8 to the version with one ``AssignAddVariableOp`` that runs after
+the eighth write, not eight. Other threads see the version move by 8 at once, with the
+eight writes, which is what the joined section promises them anyway. A count is not
+merged when an op traced since it uses the version variable (a read of ``v.version``
+between the writes sees the count of the writes before it), under a ``tf.distribute``
+strategy, or when the count is not a single ``AssignAddVariableOp``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
 from safevars.locking import SectionLock
 
 __all__ = [
     "OpenSection",
     "after_release",
     "can_join",
+    "count_writes",
+    "defer_count",
+    "deferring",
     "join",
     "may_wait_or_lock",
     "open_section",
@@ -92,6 +109,16 @@ _MAY_WAIT = frozenset(
 
 
 @dataclasses.dataclass(eq=False)
+class Count:
+    """A section's version count of one variable: its ``AssignAddVariableOp``, how many
+    writes it counts, and how many ops the graph had right after it."""
+
+    op: Any
+    writes: int
+    end: int
+
+
+@dataclasses.dataclass(eq=False)
 class OpenSection:
     """The last section traced in a graph, which a following one may join."""
 
@@ -100,6 +127,7 @@ class OpenSection:
     tokens: list[tf.Tensor]  # what a joining body waits for: the gate (sections._mutex_locks)
     releases: list[Any]  # the ConsumeMutexLock ops
     end: int  # how many ops the graph had when the section's results were made
+    counts: dict[Any, Count]  # guard -> the version count a joining write may add to
 
 
 # Per-graph state lives on the graph object itself, never in a map keyed by graph: the
@@ -112,6 +140,83 @@ _DEPENDS_ATTRIBUTE = "_safevars_depends_on_section"  # {op: depends on a section
 # ops do not change once created except the releases (section ops in any case) and
 # automatic control dependencies, which are added when the function is finished
 _LOCK = threading.Lock()
+# Per thread: a stack of [graph, depth, deferred counts] for the section bodies being
+# traced (sections._traced_section pushes one around each body).
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def deferring(graph: Any, depth: int) -> Iterator[list[tuple[Any, Any, int]]]:
+    """While a section body is traced: collects the version counts its plain write leaves
+    to the section (:func:`defer_count`) as ``(guard, write op, writes)``.
+
+    ``depth`` is the length of the stack of section bodies being traced
+    (``sections._graph_held``) with this one pushed: a count is deferred only by the
+    body at the top, never into an enclosing section's list.
+    """
+    stack = _local.__dict__.setdefault("deferred", [])
+    pending: list[tuple[Any, Any, int]] = []
+    stack.append((graph, depth, pending))
+    try:
+        yield pending
+    finally:
+        stack.pop()
+
+
+def defer_count(guard: Any, write: Any, writes: int, depth: int) -> bool:
+    """Leaves the count of ``writes`` versions of ``guard`` for ``write`` to the section
+    whose body is being traced at ``depth``: True if it does (the caller traces no
+    count), False if no such body is being traced in the write's graph, the write is not
+    one op (a slice assignment returns the variable), or a strategy is in scope (the
+    caller counts it itself)."""
+    stack = getattr(_local, "deferred", None)
+    if not stack or not isinstance(write, tf.Operation) or tf.distribute.has_strategy():
+        return False
+    graph, top, pending = stack[-1]
+    if graph is not write.graph or top != depth:
+        return False
+    pending.append((guard, write, writes))
+    return True
+
+
+def count_writes(
+    graph: Any, pending: list[tuple[Any, Any, int]], section: OpenSection | None
+) -> dict[Any, Count]:
+    """Traces the counts a body deferred; returns the counts of the section.
+
+    With ``section`` (a body that joined it) a variable it counted already gets its
+    writes added to that count, unless an op traced since uses the version variable;
+    without (a section of its own), every variable gets a count of its own. Each count
+    runs after its writes.
+    """
+    counts: dict[Any, Count] = {} if section is None else section.counts
+    for guard, write, writes in pending:
+        count = counts.get(guard)
+        if count is not None and not _version_used_since(graph, count):
+            count.writes += writes
+            with tf.control_dependencies(None):
+                total = tf.constant(count.writes, tf.int64)
+            tfi.set_input(count.op, 1, total)
+            count.op._add_control_inputs([write])
+            continue
+        op = guard.bump_graph(write, writes)
+        if isinstance(op, tf.Operation) and op.type == "AssignAddVariableOp":
+            # bump_graph's control dependency on the write reaches the op through its
+            # constant input (TensorFlow adds none to an op whose inputs were made in
+            # the same control-dependency scope), which a merge replaces: make it
+            # explicit.
+            op._add_control_inputs([write])
+            counts[guard] = Count(op, writes, len(graph.get_operations()))
+        else:
+            counts.pop(guard, None)
+    return counts
+
+
+def _version_used_since(graph: Any, count: Count) -> bool:
+    """Whether an op traced after ``count`` uses its version variable (a read of the
+    version, another count): adding to ``count`` would then change what it sees."""
+    handle = count.op.inputs[0]
+    return any(t is handle for op in graph.get_operations()[count.end :] for t in op.inputs)
 
 
 def open_section(graph: Any) -> OpenSection | None:
@@ -149,22 +254,25 @@ def join(
     graph: Any,
     section: OpenSection,
     fn: Callable[[], Any],
-    trace: Callable[[Callable[[], Any]], Any],
-    own_section: Callable[[Any, list[Any]], Any],
+    trace: Callable[[Callable[[], Any]], tuple[Any, list[tuple[Any, Any, int]]]],
+    own_section: Callable[[Any, list[Any], dict[Any, Count]], Any],
 ) -> Any:
     """Traces ``fn`` into ``section``; returns its results made to wait for the release.
 
-    ``trace(fn)`` traces the body with the section stack set up; ``own_section(result,
-    created)`` builds separate mutexes around an already traced body: the fallback when
+    ``trace(fn)`` traces the body with the section stack set up and returns its result
+    and the counts it deferred (:func:`deferring`); ``own_section(result, created,
+    counts)`` builds separate mutexes around an already traced body: the fallback when
     the body may not join (:func:`_may_join`), which also covers a value to write that
     comes from a section (an input of the body's write op).
     """
     before = len(graph.get_operations())
     with tf.control_dependencies(section.tokens):
-        result = trace(fn)
+        result, pending = trace(fn)
+    if not _may_join(graph, section, graph.get_operations()[before:]):
+        counts = count_writes(graph, pending, None)
+        return own_section(result, graph.get_operations()[before:], counts)
+    count_writes(graph, pending, section)
     created = graph.get_operations()[before:]
-    if not _may_join(graph, section, created):
-        return own_section(result, created)
     for release in section.releases:
         release._add_control_inputs(created)
     with tf.control_dependencies(section.releases):

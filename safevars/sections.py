@@ -95,6 +95,14 @@ def _wrapped_body(locks: list[SectionLock], fn: Callable[[], Any]) -> Callable[[
     return fn
 
 
+def defer_count(guard: Guard, write: Any, writes: int) -> bool:
+    """Leaves the version count of a section body's one write to the section, which
+    adds it to a count of the same variable it made already if it can (lock coarsening,
+    :mod:`safevars.lock_coarsening`). True if it does; False outside a section body
+    being traced (the caller counts the write itself)."""
+    return coarsening.defer_count(guard, write, writes, len(_graph_held()))
+
+
 def held_in_graph(guard: Guard) -> list[Any] | None:
     """The write-op list of the section being traced that holds ``guard``'s lock, if any.
 
@@ -231,10 +239,12 @@ def _traced_section(
     previous = coarsening.open_section(graph)
     joinable = not held and not compiled_call and not gated
 
-    def trace(body: Callable[[], Any]) -> Any:
+    def trace(body: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """The body's result and the version counts it left to the section."""
         stack.append((graph, frozenset(ordered), writes))
         try:
-            return body()
+            with coarsening.deferring(graph, len(stack)) as pending:
+                return body(), pending
         finally:
             stack.pop()
 
@@ -245,8 +255,8 @@ def _traced_section(
                 previous,
                 fn,
                 trace,
-                lambda result, created: _own_section(
-                    graph, ordered, new, inputs, result, created, joinable
+                lambda result, created, counts: _own_section(
+                    graph, ordered, new, inputs, result, created, joinable, counts
                 ),
             )
         locks, gate = _mutex_locks(new, inputs)
@@ -254,9 +264,10 @@ def _traced_section(
             op._add_control_inputs([gate.op])
         before = len(graph.get_operations())
         with tf.control_dependencies([gate]):
-            result = trace(fn)
+            result, pending = trace(fn)
+            counts = coarsening.count_writes(graph, pending, None)
         created = graph.get_operations()[before:]
-        return _release(graph, ordered, new, locks, gate, result, created, joinable)
+        return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
 
 
 def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> tuple[list[tf.Tensor], tf.Tensor]:
@@ -291,13 +302,14 @@ def _own_section(
     result: Any,
     created: list[Any],
     joinable: bool,
+    counts: dict[Any, Any],
 ) -> Any:
     """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
         locks, gate = _mutex_locks(new, inputs)
         for op in created:
             op._add_control_inputs([gate.op])
-        return _release(graph, ordered, new, locks, gate, result, created, joinable)
+        return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
 
 
 def _release(
@@ -309,6 +321,7 @@ def _release(
     result: Any,
     created: list[Any],
     joinable: bool,
+    counts: dict[Any, Any],
 ) -> Any:
     """The releases (after the gate and every op the body created) and the results made
     to wait.
@@ -331,6 +344,7 @@ def _release(
             [gate],
             list(released),
             len(graph.get_operations()),
+            counts,
         )
         coarsening.record(graph, section)
     return tf.nest.pack_sequence_as(result, leaves)

@@ -36,10 +36,11 @@ def test_consecutive_writes_of_one_variable_take_one_mutex():
     assert v.version == 8
 
 
-def test_each_write_waits_for_the_version_count_of_the_one_before():
-    """Writes and counts form one chain, not a fork after each write (where TensorFlow's
-    executor hands the next large write to another thread: see
-    safevars.variable.write_order). Also across a section on other locks."""
+def test_writes_of_a_variable_form_one_chain_and_joined_writes_share_one_count():
+    """Each write waits for the write before it (one chain, not a fork after each write,
+    where TensorFlow's executor hands the next large write to another thread: see
+    safevars.variable.write_order), also across a section on other locks; the two
+    joined writes of v are counted by one op adding 2, after both."""
     v, w = SafeVariable(tf.zeros([4])), SafeVariable(0.0)
 
     @tf.function(autograph=False)
@@ -56,12 +57,97 @@ def test_each_write_waits_for_the_version_count_of_the_one_before():
     ops = [op for op in graph.get_operations() if op.type.startswith("Assign")]
     of_v = [op for op in ops if op.inputs[0] is value_handle]
     v_counts = [op for op in ops if op.inputs[0] is count_handle]
-    assert len(of_v) == 3 and len(v_counts) == 3
-    for previous_count, write in zip(v_counts, of_v[1:]):
-        assert previous_count in write.control_inputs
+    assert len(of_v) == 3 and len(v_counts) == 2
+    for previous, write in zip(of_v, of_v[1:]):
+        assert previous in write.control_inputs
+    assert [tf.get_static_value(count.inputs[1]) for count in v_counts] == [2, 1]
+    assert set(of_v[:2]) <= set(v_counts[0].control_inputs)
+    assert of_v[2] in v_counts[1].control_inputs
     assert mutex_locks(writes) == 3  # the first two joined; w's section; v's again
     writes()
     assert (v.numpy().tolist(), v.version, w.version) == ([5.0] * 4, 3, 1)
+
+
+def test_a_version_read_between_joined_writes_sees_the_writes_before_it():
+    """A count is not merged past a use of the version variable: the read between the
+    writes sees 1, the one after them 3, with one mutex for the three writes."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def read_between():
+        v.assign_add(1.0, read_value=False)
+        between = v.version
+        v.assign_add(1.0, read_value=False)
+        v.assign_add(1.0, read_value=False)
+        return between, v.version
+
+    graph = read_between.get_concrete_function().graph
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    count_handle = inner[id(v._self_guard.version_var.handle)]
+    counts = [
+        op
+        for op in graph.get_operations()
+        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
+    ]
+    assert [tf.get_static_value(count.inputs[1]) for count in counts] == [1, 2]
+    assert mutex_locks(read_between) == 1
+    between, after = read_between()
+    assert (int(between), int(after), v.version, float(v.numpy())) == (1, 3, 3, 3.0)
+
+
+def test_a_write_that_may_not_join_after_tracing_counts_in_its_own_section():
+    """The value comes from another section (w's), which the joined section must not wait
+    for: the traced write gets mutexes of its own, and its count goes with it."""
+    v, w = SafeVariable(0.0), SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def from_other_section():
+        from_w = w.assign_add(5.0)
+        v.assign_add(1.0, read_value=False)
+        v.assign(from_w, read_value=False)
+        return v.read_value()
+
+    graph = from_other_section.get_concrete_function().graph
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    count_handle = inner[id(v._self_guard.version_var.handle)]
+    counts = [
+        op
+        for op in graph.get_operations()
+        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
+    ]
+    assert [tf.get_static_value(count.inputs[1]) for count in counts] == [1, 1]
+    assert mutex_locks(from_other_section) == 3
+    assert float(from_other_section()) == 5.0
+    assert (v.version, w.version) == (2, 1)
+
+
+def test_eight_joined_writes_count_once_and_other_threads_see_whole_counts():
+    """Eight assign_add in one function: one mutex and one count adding 8. Readers in
+    other threads, taking the lock, see value and version move together: the version
+    is always the value (each write adds 1.0), never in between."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def eight():
+        for _ in range(8):
+            v.assign_add(1.0, read_value=False)
+
+    graph = eight.get_concrete_function().graph
+    adds = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
+    assert len(adds) == 9 and mutex_locks(eight) == 1  # 8 writes, 1 count
+    seen = []
+
+    def worker(index: int) -> None:
+        for _ in range(50):
+            if index == 0:
+                eight()
+            else:
+                snap = v.snapshot()
+                seen.append((float(snap.value), int(snap.version)))
+
+    call_bounded(lambda: run_threads(3, worker), timeout=120)
+    assert v.version == 400 and float(v.numpy()) == 400.0
+    assert seen and all(value == version and version % 8 == 0 for value, version in seen)
 
 
 def test_a_section_on_other_locks_in_between_ends_the_join():

@@ -1,5 +1,8 @@
 """Program order for graph writes: inside a traced transaction, a write waits for every
-op traced before it; and every write waits for the version count of the one before it.
+op traced before it; and every write waits for the version count of the one before it,
+or for that write itself when its section counts it (a plain write, whose count the
+section traces after it and shares with the writes that join it:
+:mod:`safevars.lock_coarsening`).
 
 :func:`program_order` is opened by :func:`safevars.transaction` around its ``fn`` while
 tracing; :func:`_earlier_ops` is what a SafeVariable's graph write adds as control
@@ -68,8 +71,9 @@ _COUNTS_LOCK = threading.Lock()
 
 
 def record_count(guard: Any, count: Any) -> None:
-    """Remembers ``count`` (an op of the current graph) as ``guard``'s last version count,
-    for the next write of the same variable in this graph to wait for."""
+    """Remembers ``count`` (an op of the current graph: ``guard``'s last version count,
+    or its last write when the section counts it) for the next write of the same
+    variable in this graph to wait for."""
     graph = count.graph
     with _COUNTS_LOCK:
         counts = getattr(graph, _COUNTS_ATTRIBUTE, None)

@@ -27,7 +27,7 @@ from safevars.errors import (
     UnsupportedStrategyError,
 )
 from safevars.locking import check_timeout, hold
-from safevars.sections import graph_section, held_in_graph
+from safevars.sections import defer_count, graph_section, held_in_graph
 from safevars.variable.checks import _shapes_fit, _version_argument
 from safevars.variable.write_counting import _writes_to_count
 from safevars.variable.write_order import _earlier_ops, record_count
@@ -91,21 +91,32 @@ class _Writes(_SafeVariableFields):
         writes = held_in_graph(guard)
         if writes is not None:
             return self._graph_write_body(op, writes, read=read_value)
-        body = functools.partial(self._graph_write_body, op, None, read=read_value)
+        body = functools.partial(self._graph_write_body, op, None, read=read_value, own=True)
         return graph_section([guard], body, after)
 
     def _graph_write_body(
-        self, op: Callable[[], Any], writes: list[Any] | None, count: int = 1, read: bool = True
+        self,
+        op: Callable[[], Any],
+        writes: list[Any] | None,
+        count: int = 1,
+        read: bool = True,
+        own: bool = False,
     ) -> Any:
         """The write, its version count and (``read``) the value written, traced in the
-        section: with ``read=False`` it returns the count's op and reads nothing (a read
-        would also make the next write of a large variable copy its buffer)."""
+        section: with ``read=False`` it returns the count's op (or the write's, when
+        the section counts it) and reads nothing (a read would also make the next write
+        of a large variable copy its buffer). ``own``: the section's whole body is this
+        write, so the section may count it (:func:`safevars.sections.defer_count`:
+        joined writes of a variable then share one count)."""
         guard = self._self_guard
         with tf.control_dependencies(_earlier_ops(guard)):
             written = op()
         written = written.op if isinstance(written, tf.Tensor) else written
         count = _writes_to_count(guard, count)
-        bumped = guard.bump_graph(written, count) if count else written
+        if count and own and defer_count(guard, written, count):
+            bumped = written  # the section counts it after this body
+        else:
+            bumped = guard.bump_graph(written, count) if count else written
         record_count(guard, bumped)
         if writes is not None:
             writes.append(bumped)
