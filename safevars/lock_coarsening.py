@@ -111,7 +111,8 @@ _MAY_WAIT = frozenset(
 @dataclasses.dataclass(eq=False)
 class Count:
     """A section's version count of one variable: its ``AssignAddVariableOp``, how many
-    writes it counts, and how many ops the graph had right after it."""
+    writes it counts, and how many ops the graph had when it was made or last merged
+    into (the ops before are known not to use its version variable)."""
 
     op: Any
     writes: int
@@ -198,6 +199,7 @@ def count_writes(
                 total = tf.constant(count.writes, tf.int64)
             tfi.set_input(count.op, 1, total)
             count.op._add_control_inputs([write])
+            count.end = len(graph.get_operations())  # checked up to here: scan each op once
             continue
         op = guard.bump_graph(write, writes)
         if isinstance(op, tf.Operation) and op.type == "AssignAddVariableOp":

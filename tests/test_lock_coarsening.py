@@ -95,6 +95,29 @@ def test_a_version_read_between_joined_writes_sees_the_writes_before_it():
     assert (int(between), int(after), v.version, float(v.numpy())) == (1, 3, 3, 3.0)
 
 
+def test_a_long_run_of_joined_writes_is_one_count():
+    """300 writes in a row: one mutex, one count adding 300 (each merge checks only the
+    ops traced since the previous one)."""
+    v = SafeVariable(0.0)
+
+    @tf.function(autograph=False)
+    def many():
+        for _ in range(300):
+            v.assign_add(1.0, read_value=False)
+
+    graph = many.get_concrete_function().graph
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    count_handle = inner[id(v._self_guard.version_var.handle)]
+    counts = [
+        tf.get_static_value(op.inputs[1])
+        for op in graph.get_operations()
+        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
+    ]
+    assert counts == [300] and mutex_locks(many) == 1
+    many()
+    assert (v.version, float(v.numpy())) == (300, 300.0)
+
+
 def test_a_write_that_may_not_join_after_tracing_counts_in_its_own_section():
     """The value comes from another section (w's), which the joined section must not wait
     for: the traced write gets mutexes of its own, and its count goes with it."""
