@@ -18,6 +18,17 @@ def mutex_locks(function, *args) -> int:
     return sum(op.type == "MutexLock" for op in graph.get_operations())
 
 
+def version_counts(graph, variable) -> list[int]:
+    """What each version count of ``variable`` traced in ``graph`` adds, in order."""
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    handle = inner[id(variable._self_guard.version_var.handle)]
+    return [
+        int(tf.get_static_value(op.inputs[1]))
+        for op in graph.get_operations()
+        if op.type == "AssignAddVariableOp" and op.inputs[0] is handle
+    ]
+
+
 def test_consecutive_writes_of_one_variable_take_one_mutex():
     v = SafeVariable(0.0)
 
@@ -81,15 +92,8 @@ def test_a_version_read_between_joined_writes_sees_the_writes_before_it():
         v.assign_add(1.0, read_value=False)
         return between, v.version
 
-    graph = read_between.get_concrete_function().graph
-    inner = {id(outer): inner for outer, inner in graph.captures}
-    count_handle = inner[id(v._self_guard.version_var.handle)]
-    counts = [
-        op
-        for op in graph.get_operations()
-        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
-    ]
-    assert [tf.get_static_value(count.inputs[1]) for count in counts] == [1, 2]
+    counts = version_counts(read_between.get_concrete_function().graph, v)
+    assert counts == [1, 2]
     assert mutex_locks(read_between) == 1
     between, after = read_between()
     assert (int(between), int(after), v.version, float(v.numpy())) == (1, 3, 3, 3.0)
@@ -105,14 +109,7 @@ def test_a_long_run_of_joined_writes_is_one_count():
         for _ in range(300):
             v.assign_add(1.0, read_value=False)
 
-    graph = many.get_concrete_function().graph
-    inner = {id(outer): inner for outer, inner in graph.captures}
-    count_handle = inner[id(v._self_guard.version_var.handle)]
-    counts = [
-        tf.get_static_value(op.inputs[1])
-        for op in graph.get_operations()
-        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
-    ]
+    counts = version_counts(many.get_concrete_function().graph, v)
     assert counts == [300] and mutex_locks(many) == 1
     many()
     assert (v.version, float(v.numpy())) == (300, 300.0)
@@ -130,15 +127,8 @@ def test_a_write_that_may_not_join_after_tracing_counts_in_its_own_section():
         v.assign(from_w, read_value=False)
         return v.read_value()
 
-    graph = from_other_section.get_concrete_function().graph
-    inner = {id(outer): inner for outer, inner in graph.captures}
-    count_handle = inner[id(v._self_guard.version_var.handle)]
-    counts = [
-        op
-        for op in graph.get_operations()
-        if op.type == "AssignAddVariableOp" and op.inputs[0] is count_handle
-    ]
-    assert [tf.get_static_value(count.inputs[1]) for count in counts] == [1, 1]
+    counts = version_counts(from_other_section.get_concrete_function().graph, v)
+    assert counts == [1, 1]
     assert mutex_locks(from_other_section) == 3
     assert float(from_other_section()) == 5.0
     assert (v.version, w.version) == (2, 1)
