@@ -31,7 +31,14 @@ from safevars.distribute import on_parameter_server
 from safevars.errors import LockOrderError, UnsupportedStrategyError
 from safevars.locking import Guard, SectionLock, sorted_locks
 
-__all__ = ["body_wrappers", "graph_body_wrappers", "graph_section", "held_in_graph"]
+__all__ = [
+    "body_wrappers",
+    "defer_count",
+    "graph_body_wrappers",
+    "graph_inputs",
+    "graph_section",
+    "held_in_graph",
+]
 
 _XLA_LOCKS = "_safevars_xla_locks"  # FuncGraph attribute: locks its compiled call needs.
 
@@ -93,6 +100,16 @@ def _wrapped_body(locks: list[SectionLock], fn: Callable[[], Any]) -> Callable[[
         if graph_wrapper is not None:
             fn = graph_wrapper(locks, fn)
     return fn
+
+
+def graph_inputs(after: Any) -> list[Any]:
+    """The tensors and ops of ``after`` (any nest, composites included): what a section
+    waits for, or its body's writes wait for."""
+    return [
+        x
+        for x in tf.nest.flatten(after, expand_composites=True)
+        if isinstance(x, (tf.Tensor, tf.Operation))
+    ]
 
 
 def defer_count(guard: Guard, write: Any, writes: int) -> bool:
@@ -231,11 +248,7 @@ def _traced_section(
             return fn()
         finally:
             stack.pop()
-    inputs = [
-        x
-        for x in tf.nest.flatten(after, expand_composites=True)
-        if isinstance(x, (tf.Tensor, tf.Operation))
-    ]
+    inputs = graph_inputs(after)
     previous = coarsening.open_section(graph)
     joinable = not held and not compiled_call and not gated
 

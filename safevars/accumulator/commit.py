@@ -22,6 +22,7 @@ from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES
 from safevars.locking import Guard, graph_section, hold
+from safevars.sections import graph_inputs
 from safevars.staleness import refuse_stale, scale_stale, version_lag
 
 
@@ -43,7 +44,7 @@ class _Commit(_AccumulatorBase):
                 # The lock is taken early, so every state change (counters, growth,
                 # rows) waits for the contributions here instead: they depend on the
                 # value checks, and a refused add must change nothing.
-                with tf.control_dependencies(_part_tensors(parts)):
+                with tf.control_dependencies(graph_inputs(parts)):
                     return self._commit_body(parts)
 
             return graph_section([self._guard], body, early)
@@ -236,14 +237,6 @@ class _Commit(_AccumulatorBase):
             return tf.reduce_max(tf.stack([tf.cast(v, tf.int64) for v in versions]))
         takes = self._counters[_TAKES]
         return int(takes) if tf.executing_eagerly() else takes
-
-
-def _part_tensors(parts: list[_Part]) -> list[Any]:
-    """Every tensor of the contributions (values, elements, flags, versions)."""
-    leaves = tf.nest.flatten(
-        [(p.elements, p.values, p.finite, p.version) for p in parts], expand_composites=True
-    )
-    return [x for x in leaves if isinstance(x, (tf.Tensor, tf.Operation))]
 
 
 def _keep_as_kernel(result: tf.Tensor) -> None:
