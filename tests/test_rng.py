@@ -85,6 +85,21 @@ class TestReproducibility:
                 )
                 assert state_of(eager) == state_of(graph)
 
+    def test_graph_draws_from_512_elements_fill_outside_the_state_lock(self):
+        """A graph draw of at least 512 elements takes the split form (RngReadAndSkip,
+        then the stateless kernel, so that draws of one stream fill in parallel); a
+        smaller one the fused stateful kernel. Both give the eager values (above)."""
+        rng = ReplicaRNG(808)
+
+        def op_types(size):
+            fn = tf.function(lambda: rng.normal([size]), autograph=False)
+            return {op.type for op in fn.get_concrete_function().graph.get_operations()}
+
+        small, large = op_types(511), op_types(512)
+        assert "StatefulStandardNormalV2" in small and "RngReadAndSkip" not in small
+        assert {"RngReadAndSkip", "StatelessRandomNormalV2"} <= large
+        assert "StatefulStandardNormalV2" not in large
+
     def test_a_draw_is_philox_of_key_and_counter(self):
         # The documented semantics: a draw equals RngReadAndSkip(number of elements)
         # followed by the stateless kernel on the fetched [counter, key].

@@ -43,7 +43,13 @@ _FULL_INT = (
     gen_stateful_random_ops.stateful_uniform_full_int,
     gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2,
 )
-_FUSED_MAX_ELEMENTS = 1 << 16
+# Where the split form starts to win in a graph: the fused kernel fills its output under
+# the state variable's mutex, so the draws of one stream in a graph fill one after
+# another; the split form's fills run in parallel, for two ops more per draw. Measured
+# on the 2-core development CPU (2026-11-26, the rng benchmark's graph variants, 8 draws
+# of one stream per call, 60 rotated rounds): fused/split per call 0.91 at 1 element,
+# 0.98 at 256, 1.02 at 384, 1.03 at 512, 1.15 at 768, 1.12 at 1,024, 1.00 at 4,096.
+_FUSED_MAX_ELEMENTS = 512
 
 _Kernels = tuple[Callable[..., Any], Callable[..., Any]]
 
