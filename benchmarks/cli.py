@@ -126,8 +126,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run the selected families N times, one pass after another "
         "(each builds its cases afresh), and pool every case's rounds: "
-        "medians over all of them, confidence intervals resampling rounds "
-        "within each pass (default: 1)",
+        "medians over all of them, confidence intervals resampling the passes, "
+        "then rounds within each (default: 1)",
     )
     p.add_argument(
         "--min-time",

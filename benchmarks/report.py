@@ -213,7 +213,7 @@ def method_note(document: dict[str, Any]) -> str:
     repeat = settings.get("repeat", 1)
     pooled = (
         f" The {repeat} repetitions of the run were pooled: medians over all their rounds, "
-        "intervals resampling rounds within each repetition."
+        "intervals resampling the repetitions, then rounds within each."
         if repeat > 1
         else ""
     )

@@ -7,8 +7,8 @@ decides the exit code from the document's ``status`` at the end.
 ``--repeat N`` runs the selected families N times, one whole pass after another (each
 pass builds every case afresh: new variables, new traces), and pools each case's rounds
 over the passes (:func:`benchmarks.timing.pool`): medians are taken over all rounds, and
-the confidence intervals resample rounds within each pass. A case that fails in any pass
-is reported as failed.
+the confidence intervals resample the passes, then rounds within each drawn pass. A case
+that fails in any pass is reported as failed.
 
 Every ratio comes with its 95% confidence interval (:func:`benchmarks.timing.ratio_interval`),
 and a goal's verdict with it (:func:`verdict`).
@@ -44,7 +44,8 @@ __all__ = ["CI_METHOD", "build_document", "case_result", "run_families", "verdic
 
 CI_METHOD = (
     "paired bootstrap of the ratio of medians: rounds resampled with replacement "
-    "(the same rounds for both variants; within each repetition when pooled), "
+    "(the same rounds for both variants; when repetitions are pooled, two stages: "
+    "repetitions drawn with replacement, then rounds within each), "
     f"{RESAMPLES} resamples, percentile interval"
 )
 

@@ -11,10 +11,11 @@ baseline; above 1 is slower).
 
 Every ratio has a 95% confidence interval beside it (``*_ci_95``: ``[low, high]``, or
 null with fewer than ``settings.confidence_interval.min_rounds`` rounds): a paired
-bootstrap of the ratio of medians over the rounds (resampled within each repetition
-when ``--repeat`` pooled several; see :mod:`benchmarks.timing`). A goal's ``verdict`` is
-"met" when the interval lies entirely on the right side of the bound, "missed" when it
-lies entirely on the wrong side, else "inconclusive" ("not measured" without a ratio).
+bootstrap of the ratio of medians over the rounds (in two stages when ``--repeat``
+pooled several: repetitions, then rounds within each; see :mod:`benchmarks.timing`). A
+goal's ``verdict`` is "met" when the interval lies entirely on the right side of the
+bound, "missed" when it lies entirely on the wrong side, else "inconclusive" ("not
+measured" without a ratio).
 
 Version 2 (this one) added the intervals, ``verdict``, ``operator``/``bound`` (goals of
 the form ">= x"), ``settings.repeat`` and the per-repetition round counts; ``met`` is

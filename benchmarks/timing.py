@@ -21,10 +21,18 @@ variants ran back to back, so the pair ``(a_i, b_i)`` shares whatever the machin
 doing then; a resample draws rounds (pairs) with replacement, the same draw for both
 variants, and computes ``median(a*) / median(b*)``; the interval is the 2.5th to 97.5th
 percentile of 10,000 such ratios (seeded: the same samples give the same interval).
-With ``--repeat N`` the rounds of the N repetitions are pooled and every resample draws
-as many rounds from each repetition as it had (a stratified bootstrap), so each
-repetition keeps its weight. Fewer than :data:`MIN_ROUNDS_FOR_INTERVAL` rounds give no
-interval.
+With ``--repeat N`` the rounds of the N repetitions are pooled and the bootstrap has two
+stages (a *cluster* bootstrap, Davison and Hinkley, "Bootstrap Methods and their
+Application", 1997, section 3.8): a resample draws N repetitions with replacement, then
+from each drawn repetition as many of its rounds as it had, with replacement, the same
+rounds for both variants. Repetitions differ by more than their rounds suggest (a
+pipeline instance that keeps a fast or a slow mode, another process starting): the
+``data`` family's five passes of 2026-11-26 read 0.85 to 1.21, while an interval that
+resampled rounds only within each pass (this module's method until then) read
+[0.99, 1.02] and the two-stage one reads [0.90, 1.14]. Resampling at both stages errs on
+the wide side (the spread between repetitions already contains some of their rounds'
+noise). With one repetition it is the one-stage bootstrap above. Fewer than
+:data:`MIN_ROUNDS_FOR_INTERVAL` rounds give no interval.
 """
 
 from __future__ import annotations
@@ -264,15 +272,18 @@ def ratio_interval(
 ) -> tuple[float, float] | None:
     """Confidence interval of ``median(numerator) / median(denominator)``.
 
-    Paired, stratified percentile bootstrap (see the module docstring): ``numerator[i]``
-    and ``denominator[i]`` are the same round of two variants; each resample draws, for
-    every block of consecutive rounds (a repetition), as many rounds as the block holds,
-    with replacement, and takes the same rounds from both sequences.
+    Paired percentile bootstrap (see the module docstring): ``numerator[i]`` and
+    ``denominator[i]`` are the same round of two variants, and every resample takes the
+    same rounds from both. With one block of rounds (one repetition) a resample draws
+    as many rounds as there are, with replacement. With several it has two stages: it
+    draws as many blocks as there are, with replacement, then from each drawn block as
+    many rounds as it holds, with replacement, and pools them.
 
     Args:
       numerator: Seconds per call of the variant, one per round.
       denominator: Seconds per call of the reference, the same rounds.
-      blocks: Rounds per repetition, summing to the number of rounds (None: one block).
+      blocks: Rounds per repetition, summing to the number of rounds (None: one block;
+        empty blocks are ignored).
       level: Coverage of the interval (0.95: the 2.5th and 97.5th percentiles).
       resamples: Bootstrap resamples.
       seed: Seed of the resampling (fixed: a report is reproducible from its samples).
@@ -297,18 +308,43 @@ def ratio_interval(
     if len(a) < MIN_ROUNDS_FOR_INTERVAL:
         return None
     rng = np.random.default_rng(seed)
-    columns = []
-    start = 0
-    for n in sizes:
-        if n:
-            columns.append(rng.integers(start, start + n, size=(resamples, n)))
-        start += n
-    index = np.concatenate(columns, axis=1)
-    top = np.median(a[index], axis=1)
-    bottom = np.median(b[index], axis=1)
+    starts = np.cumsum([0, *sizes[:-1]])
+    kept = [(int(start), n) for start, n in zip(starts, sizes) if n]
+    if len(kept) == 1:
+        start, n = kept[0]
+        index = rng.integers(start, start + n, size=(resamples, n))
+        top, bottom = np.median(a[index], axis=1), np.median(b[index], axis=1)
+    else:
+        top, bottom = _two_stage_medians(a, b, kept, resamples, rng)
     if np.any(bottom <= 0):
         return None
     ratios = top / bottom
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(ratios, [tail, 100.0 - tail])
     return float(low), float(high)
+
+
+def _two_stage_medians(
+    a: np.ndarray,
+    b: np.ndarray,
+    blocks: Sequence[tuple[int, int]],
+    resamples: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Medians of ``a`` and ``b`` over ``resamples`` two-stage resamples of ``blocks``
+    (``(start, size)`` pairs, none empty): blocks drawn with replacement, then rounds
+    within each drawn block with replacement, the same indices for ``a`` and ``b``."""
+    starts = np.array([start for start, _ in blocks])
+    counts = np.array([n for _, n in blocks])
+    drawn = rng.integers(0, len(blocks), size=(resamples, len(blocks)))
+    widest = int(counts.max())
+    offsets = np.floor(rng.random((resamples, len(blocks), widest)) * counts[drawn][..., None])
+    index = (starts[drawn][..., None] + offsets.astype(np.int64)).reshape(resamples, -1)
+    if np.all(counts == widest):
+        return np.median(a[index], axis=1), np.median(b[index], axis=1)
+    # Blocks of unequal sizes: the positions past a drawn block's size are not drawn.
+    drawn_round = (np.arange(widest) < counts[drawn][..., None]).reshape(resamples, -1)
+    return (
+        np.nanmedian(np.where(drawn_round, a[index], np.nan), axis=1),
+        np.nanmedian(np.where(drawn_round, b[index], np.nan), axis=1),
+    )
