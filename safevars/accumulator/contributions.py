@@ -66,7 +66,9 @@ class _Contributions(_AccumulatorBase):
           StaleGradientError: ``on_stale="raise"`` and the contribution is too stale.
           NonFiniteGradientError: ``nonfinite="raise"`` and a gradient holds NaN or Inf.
 
-        Nothing of a call that raises is accumulated and no statistic changes.
+        Nothing of a call that raises is accumulated and no statistic changes. (Inside a
+        ``tf.function`` with ``lock_span="step"``, a deterministic accumulator's buffer
+        may have doubled its capacity for a refused add: memory only.)
 
         Thread safety: the staleness decision and the commit of the contribution and of
         the statistics form one atomic step with respect to ``add``, ``take`` and

@@ -130,10 +130,11 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         call, control flow, another section) has run, so the ``MutexLock`` (which
         completes on the mutex's own thread) overlaps the gradient computation instead
         of following it; the lock is then held while the function computes the
-        gradients it adds. Other threads' ``add``/``take`` wait for it meanwhile; their
-        own gradient computation does not. ``"add"``: once the contribution is
-        computed, so the lock is held only for the commit. Eager calls take it for the
-        commit only, either way. Under a ``tf.distribute`` strategy, inside another
+        gradients it adds, and a deterministic accumulator's growth check (does the
+        buffer have room?) runs meanwhile too. Other threads' ``add``/``take`` wait for
+        it meanwhile; their own gradient computation does not. ``"add"``: once the
+        contribution is computed, so the lock is held only for the commit. Eager calls
+        take it for the commit only, either way. Under a ``tf.distribute`` strategy, inside another
         section or an XLA-compiled function, ``"step"`` behaves as ``"add"``.
       name: Name of the module and prefix of its state variables.
 
