@@ -89,7 +89,16 @@ def _goal_note(goal: dict[str, Any], variant: str) -> str:
     if goal["ratio"] is None:
         return f"goal {_bound(goal)}: not measured"
     measured = format_ratio(goal["ratio"], goal["ratio_ci_95"], digits=3, unit="x")
-    return f"goal {_bound(goal)}: {measured}, {_verdict(goal)}"
+    return f"goal {_bound(goal)}: {measured}, {_verdict(goal)}{_passes(goal)}"
+
+
+def _passes(goal: dict[str, Any]) -> str:
+    """`` (passes 1.21, 0.95)``: the ratio within each repetition of a pooled run; empty
+    for a single run."""
+    ratios = goal.get("ratio_per_repetition") or []
+    if len(ratios) < 2:
+        return ""
+    return " (passes " + ", ".join("n/a" if r is None else f"{r:.2f}" for r in ratios) + ")"
 
 
 def _extra_note(extra: dict[str, Any]) -> str:
@@ -178,7 +187,8 @@ def _goal_lines(goals: Iterable[dict[str, Any]]) -> list[str]:
             "not measured"
             if g["ratio"] is None
             else (
-                f"{format_ratio(g['ratio'], g['ratio_ci_95'], digits=3, unit='x')}: {_verdict(g)}"
+                f"{format_ratio(g['ratio'], g['ratio_ci_95'], digits=3, unit='x')}: "
+                f"{_verdict(g)}{_passes(g)}"
             )
         )
         others = ", ".join(

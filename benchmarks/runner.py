@@ -38,6 +38,7 @@ from benchmarks.timing import (
     measure,
     pool,
     ratio_interval,
+    repetition_ratios,
 )
 
 __all__ = ["CI_METHOD", "build_document", "case_result", "run_families", "verdict"]
@@ -94,6 +95,13 @@ def _interval(a: VariantTiming, b: VariantTiming) -> tuple[float, float] | None:
         return None
 
 
+def _per_repetition(a: VariantTiming, b: VariantTiming) -> list[float | None]:
+    try:
+        return repetition_ratios(a.samples, b.samples, a.rounds)
+    except ValueError:  # not paired (a variant missing from some repetition)
+        return []
+
+
 def _pair(interval: tuple[float, float] | None) -> list[float] | None:
     return None if interval is None else [interval[0], interval[1]]
 
@@ -106,9 +114,11 @@ def _goal(case: Case, timings: Sequence[VariantTiming], family: str) -> dict[str
     reference = case.goal_reference or (timings[0].name if timings else "")
     medians = {t.name: t.median for t in timings if t.samples}
     ratio = interval = None
+    per_repetition: list[float | None] = []
     if variant in medians and medians.get(reference):
         ratio = medians[variant] / medians[reference]
         interval = _interval(by_name[variant], by_name[reference])
+        per_repetition = _per_repetition(by_name[variant], by_name[reference])
     versus: dict[str, float] = {}
     versus_ci: dict[str, list[float] | None] = {}
     if variant in medians:
@@ -127,6 +137,7 @@ def _goal(case: Case, timings: Sequence[VariantTiming], family: str) -> dict[str
         "max_ratio": bound if operator == "<=" else None,
         "ratio": ratio,
         "ratio_ci_95": _pair(interval),
+        "ratio_per_repetition": per_repetition,
         "verdict": outcome,
         "met": {"met": True, "missed": False}.get(outcome),
         "rounds": len(by_name[variant].samples) if variant in by_name else 0,

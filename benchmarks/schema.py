@@ -96,6 +96,13 @@ _GOAL = _obj(
         },
         "ratio": {"type": ["number", "null"], "description": "Measured median ratio."},
         "ratio_ci_95": _ci("The ratio's"),
+        "ratio_per_repetition": {
+            "type": "array",
+            "items": {"type": ["number", "null"]},
+            "description": "The ratio within each repetition, in order (one value "
+            "without --repeat; empty when the rounds are not paired). How far they spread "
+            "is what the pooled interval's first stage resamples.",
+        },
         "verdict": {
             "enum": ["met", "missed", "inconclusive", "not measured"],
             "description": "'<=' goals: met when the interval's upper end <= bound, missed "
@@ -122,6 +129,7 @@ _GOAL = _obj(
             "description": "The 95% confidence interval of each versus ratio, by name.",
         },
     },
+    optional=("ratio_per_repetition",),  # added after version 2 was released
 )
 
 _VARIANT = _obj(

@@ -58,6 +58,7 @@ __all__ = [
     "measure",
     "pool",
     "ratio_interval",
+    "repetition_ratios",
 ]
 
 CI_LEVEL = 0.95
@@ -348,3 +349,28 @@ def _two_stage_medians(
         np.nanmedian(np.where(drawn_round, a[index], np.nan), axis=1),
         np.nanmedian(np.where(drawn_round, b[index], np.nan), axis=1),
     )
+
+
+def repetition_ratios(
+    numerator: Sequence[float], denominator: Sequence[float], blocks: Sequence[int]
+) -> list[float | None]:
+    """``median(numerator) / median(denominator)`` within each block of rounds (each
+    repetition of a pooled run), in order; None for an empty block or a non-positive
+    reference median.
+
+    Raises:
+      ValueError: the sequences differ in length, or ``blocks`` does not add up.
+    """
+    if len(numerator) != len(denominator) or sum(blocks) != len(numerator):
+        raise ValueError(
+            f"blocks {list(blocks)} must add up to the {len(numerator)} rounds of both "
+            f"sequences ({len(denominator)} in the reference)."
+        )
+    out: list[float | None] = []
+    start = 0
+    for n in blocks:
+        top = statistics.median(numerator[start : start + n]) if n else None
+        bottom = statistics.median(denominator[start : start + n]) if n else None
+        out.append(None if top is None or not bottom or bottom <= 0 else top / bottom)
+        start += n
+    return out

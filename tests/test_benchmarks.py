@@ -44,6 +44,7 @@ from benchmarks.timing import (  # noqa: E402
     measure,
     pool,
     ratio_interval,
+    repetition_ratios,
 )
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
@@ -504,6 +505,27 @@ def test_pooled_interval_of_agreeing_repetitions_is_not_much_wider():
     assert pooled <= 1.5 * single
 
 
+def test_a_pooled_goal_records_the_ratio_of_each_repetition():
+    case = Case("f", "c", {"plain": int, "safe": int}, goal=("safe", 1.10))
+    first = [
+        VariantTiming("plain", 1, [1.0, 1.0, 1.0], [{}] * 3, [3], [1]),
+        VariantTiming("safe", 1, [2.0, 2.0, 2.2], [{}] * 3, [3], [1]),
+    ]
+    second = [
+        VariantTiming("plain", 1, [2.0, 2.0, 2.0, 2.0], [{}] * 4, [4], [1]),
+        VariantTiming("safe", 1, [1.0, 2.0, 2.0, 3.0], [{}] * 4, [4], [1]),
+    ]
+    pooled = runner.case_result(case, "f", pool([first, second]), 0.1)
+    assert pooled["goal"]["ratio_per_repetition"] == [2.0, 1.0]
+    single = runner.case_result(case, "f", first, 0.1)
+    assert single["goal"]["ratio_per_repetition"] == [2.0]
+    notes = [row[-1] for row in report.table_rows({"cases": [pooled]})]
+    assert "(passes 2.00, 1.00)" in notes[1]
+    assert "passes" not in report.table_rows({"cases": [single]})[1][-1]
+    with pytest.raises(ValueError, match="add up"):
+        repetition_ratios([1.0, 2.0], [1.0, 2.0], [1])
+
+
 def test_pool_concatenates_repetitions_and_records_blocks():
     first = [
         VariantTiming("base", 3, [1.0, 2.0], [{}, {}], [2], [3]),
@@ -685,9 +707,11 @@ def test_cli_repeat_reports_pooled_intervals_and_verdicts(fake_package, tmp_path
     verdicts = {g["case"]: g["verdict"] for g in document["goals"]}
     assert set(verdicts) == {"add", "pair"}
     assert all(v in runner.VERDICTS for v in verdicts.values())
+    assert all(len(g["ratio_per_repetition"]) == 2 for g in document["goals"])
     markdown = (out / "results.md").read_text()
     for text in (markdown, captured.out):
         assert "2 repetitions x 3 rounds, pooled" in text
+        assert text.count("(passes ") >= len(document["goals"])
         assert "x baseline [95% CI]" in text
         assert "paired bootstrap" in text and "inconclusive otherwise" in text
         for goal in document["goals"]:
