@@ -18,8 +18,9 @@ did not come back, and joins.
    coordinator retries the step by itself.)
 2. ``exactly_once``: ``safevars.exactly_once.schedule(..., token=step_number)``. Before
    scheduling again, ``outcome()`` says what each unfinished step did ("applied",
-   "not_applied"); scheduling *every* step again with its token is safe: sections already
-   applied are discarded (``statistics().duplicates_discarded``), the rest run once.
+   "not_applied", or "partly_applied" for a step cancelled between its two updates);
+   scheduling *every* step again with its token is safe: sections already applied are
+   discarded (``statistics().duplicates_discarded``), the rest run once.
 """
 
 from __future__ import annotations

@@ -32,10 +32,14 @@ def test_exactly_once_example_counts_every_step_once():
     assert set(rows) == {"plain", "exactly_once"}, out
     assert rows["exactly_once"] == [steps, steps, steps * BATCH, rows["exactly_once"][3]], out
     before = ast.literal_eval(BEFORE.search(out)[1])
-    assert set(before) <= {"done", "applied", "not_applied"}, out
+    assert set(before) <= {"done", "applied", "partly_applied", "not_applied"}, out
     assert before["applied"] >= 1 and sum(before.values()) == steps, out
-    # Every step applied before was discarded once when scheduled again.
-    assert rows["exactly_once"][3] == before["applied"] + before.get("done", 0), out
+    # Every step applied before was discarded once when scheduled again (the counter's
+    # section of it: "discarded" is the counter's). A step cancelled between its two
+    # updates is "partly_applied" (seen once, 2026-11-27: 1 of 30 steps); its counter's
+    # section is discarded if it was the one applied.
+    whole = before["applied"] + before.get("done", 0)
+    assert whole <= rows["exactly_once"][3] <= whole + before.get("partly_applied", 0), out
     done, counter, seen, discarded = rows["plain"]
     # The failed step was applied, then scheduled again: at least one step twice.
     assert done == steps and counter > steps and seen == counter * BATCH, out
