@@ -45,7 +45,7 @@ class _Commit(_AccumulatorBase):
                 # function still computes the gradients: it reads only the pending count
                 # and the capacity, and as an If kernel it costs a function call, which
                 # on the critical path after the last gradient made the 26K model's
-                # micro-step about 10% slower. It may grow the buffer for an add that is
+                # micro-step about 6% slower. It may grow the buffer for an add that is
                 # then refused: capacity only, no value or counter. Every other state
                 # change (counters, rows) waits for the contributions: they depend on the
                 # value checks, and a refused add must change nothing.

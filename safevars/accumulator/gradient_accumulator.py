@@ -134,8 +134,9 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         buffer have room?) runs meanwhile too. Other threads' ``add``/``take`` wait for
         it meanwhile; their own gradient computation does not. ``"add"``: once the
         contribution is computed, so the lock is held only for the commit. Eager calls
-        take it for the commit only, either way. Under a ``tf.distribute`` strategy, inside another
-        section or an XLA-compiled function, ``"step"`` behaves as ``"add"``.
+        take it for the commit only, either way. Under a ``tf.distribute`` strategy,
+        inside another section or an XLA-compiled function, ``"step"`` behaves as
+        ``"add"``.
       name: Name of the module and prefix of its state variables.
 
     Raises:
