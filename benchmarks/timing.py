@@ -296,21 +296,11 @@ def ratio_interval(
     Raises:
       ValueError: the sequences differ in length, or ``blocks`` does not add up.
     """
-    a = np.asarray(numerator, dtype=np.float64)
-    b = np.asarray(denominator, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(
-            f"numerator and denominator must be paired rounds of equal length, got "
-            f"{a.shape} and {b.shape}."
-        )
-    sizes = [len(a)] if blocks is None else [int(n) for n in blocks]
-    if sum(sizes) != len(a) or any(n < 0 for n in sizes):
-        raise ValueError(f"blocks {list(sizes)} do not add up to {len(a)} rounds.")
+    a, b, spans = _paired_blocks(numerator, denominator, blocks)
     if len(a) < MIN_ROUNDS_FOR_INTERVAL:
         return None
     rng = np.random.default_rng(seed)
-    starts = np.cumsum([0, *sizes[:-1]])
-    kept = [(int(start), n) for start, n in zip(starts, sizes) if n]
+    kept = [(start, n) for start, n in spans if n]
     if len(kept) == 1:
         start, n = kept[0]
         index = rng.integers(start, start + n, size=(resamples, n))
@@ -323,6 +313,28 @@ def ratio_interval(
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(ratios, [tail, 100.0 - tail])
     return float(low), float(high)
+
+
+def _paired_blocks(
+    numerator: Sequence[float], denominator: Sequence[float], blocks: Sequence[int] | None
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """The paired rounds as arrays and each block's ``(start, size)`` (None: one block).
+
+    Raises:
+      ValueError: the sequences differ in length, or ``blocks`` does not add up.
+    """
+    a = np.asarray(numerator, dtype=np.float64)
+    b = np.asarray(denominator, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(
+            f"numerator and denominator must be paired rounds of equal length, got "
+            f"{a.shape} and {b.shape}."
+        )
+    sizes = [len(a)] if blocks is None else [int(n) for n in blocks]
+    if sum(sizes) != len(a) or any(n < 0 for n in sizes):
+        raise ValueError(f"blocks {list(sizes)} do not add up to {len(a)} rounds.")
+    starts = np.cumsum([0, *sizes[:-1]])
+    return a, b, [(int(start), n) for start, n in zip(starts, sizes)]
 
 
 def _two_stage_medians(
@@ -361,16 +373,9 @@ def repetition_ratios(
     Raises:
       ValueError: the sequences differ in length, or ``blocks`` does not add up.
     """
-    if len(numerator) != len(denominator) or sum(blocks) != len(numerator):
-        raise ValueError(
-            f"blocks {list(blocks)} must add up to the {len(numerator)} rounds of both "
-            f"sequences ({len(denominator)} in the reference)."
-        )
+    a, b, spans = _paired_blocks(numerator, denominator, blocks)
     out: list[float | None] = []
-    start = 0
-    for n in blocks:
-        top = statistics.median(numerator[start : start + n]) if n else None
-        bottom = statistics.median(denominator[start : start + n]) if n else None
-        out.append(None if top is None or not bottom or bottom <= 0 else top / bottom)
-        start += n
+    for start, n in spans:
+        bottom = float(np.median(b[start : start + n])) if n else 0.0
+        out.append(float(np.median(a[start : start + n])) / bottom if bottom > 0 else None)
     return out
