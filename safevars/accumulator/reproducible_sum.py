@@ -3,7 +3,9 @@
 How determinism is achieved (``deterministic=True``):
   ``add`` stores each contribution as one float32 block of a buffer (float16 and
   bfloat16 widen to float32 exactly), at the next free block: one copy, no arithmetic (a
-  block is one row, or for large gradients several rows; :mod:`.state`). Here a "row" is
+  block is one row, or for large gradients several rows; :mod:`.state`). With large
+  gradients the first blocks are kept by reference instead, one variable per piece,
+  and are read in place as the first rows (``leading``). Here a "row" is
   one contribution's block. ``take`` reduces the pending rows with a two-level
   *reproducible summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point
   Summation", ARITH 2013): for each element, with ``M`` the largest magnitude among its
@@ -33,6 +35,7 @@ The row buffer is filled by :mod:`.commit` and read, in place and under the lock
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -62,12 +65,17 @@ def _marker_shapes() -> tf.Tensor | np.ndarray:
     return table if tf.executing_eagerly() else tf.constant(table)
 
 
-def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
+def _reproducible_sum(
+    rows: tf.Tensor, count: tf.Tensor, leading: Sequence[tf.Tensor] = ()
+) -> tf.Tensor:
     """Per-element sums of the first ``count`` rows, independent of the rows' order.
 
     Args:
       rows: float32 ``[b, n]``; rows at ``count`` and beyond are ignored.
-      count: int64 scalar, at most ``b``.
+      count: int64 scalar, at most ``b`` (plus ``len(leading)``).
+      leading: float32 ``[n]`` rows that come before ``rows`` (row ``j`` of the
+        whole is ``leading[j]``, then ``rows[j - len(leading)]``): the blocks kept by
+        reference (:mod:`.state`), read where they are rather than stacked.
 
     Returns:
       float64 ``[n]``. See the module docstring for the method and its error bound.
@@ -84,7 +92,7 @@ def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
     b = tf.shape(rows, out_type=tf.int64)[0]
     rows = tf.pad(rows, [[0, tf.math.floormod(-b, _GROUP)], [0, 0]])
     groups = tf.reshape(rows, [-1, _GROUP, n if n is not None else -1])
-    first = tf.range(tf.shape(groups, out_type=tf.int64)[0]) * _GROUP
+    first = tf.range(tf.shape(groups, out_type=tf.int64)[0]) * _GROUP + len(leading)
     xs = [
         tf.where(
             (first + j < count)[:, None],
@@ -93,7 +101,14 @@ def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
         )
         for j in range(_GROUP)
     ]  # [groups, n] each: row j of every group
+    ones = [
+        tf.where(j < count, tf.cast(x, tf.float64), tf.zeros([], tf.float64))
+        for j, x in enumerate(leading)
+    ]  # [n] each
+    # An empty ``rows`` (every pending row is a leading one) reduces to -inf here.
     biggest = tf.reduce_max(functools.reduce(tf.maximum, [tf.abs(x) for x in xs]), axis=0)
+    if ones:
+        biggest = functools.reduce(tf.maximum, [tf.abs(x) for x in ones], biggest)
     # 2**floor(log2(biggest)) as float64 bits (its exponent field), clamped to
     # [2**-160, 2**128]: below for zeros, above for Inf/NaN.
     unit = tf.clip_by_value(
@@ -114,12 +129,17 @@ def _reproducible_sum(rows: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
     q1, q2 = tf.bitcast(q1_bits, tf.float64), tf.bitcast(q2_bits, tf.float64)
     inverse1 = tf.bitcast(_POWER_BITS * 2046 - q1_bits, tf.float64)
     inverse2 = tf.bitcast(_POWER_BITS * 2046 - q2_bits, tf.float64)
-    sum1, sum2 = [], []
-    for x in xs:
+
+    def split(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         n1 = tf.round(x * inverse1)  # |n1| <= 2**(52 - log_count)
-        sum1.append(n1)
-        sum2.append(tf.round((x - n1 * q1) * inverse2))  # exact remainder; same bound
+        return n1, tf.round((x - n1 * q1) * inverse2)  # exact remainder; same bound
+
+    parts = [split(x) for x in xs]
     # Exact whatever the order: integers below 2**53.
-    total1 = tf.reduce_sum(tf.add_n(sum1), axis=0)
-    total2 = tf.reduce_sum(tf.add_n(sum2), axis=0)
+    total1 = tf.reduce_sum(tf.add_n([p[0] for p in parts]), axis=0)
+    total2 = tf.reduce_sum(tf.add_n([p[1] for p in parts]), axis=0)
+    if ones:
+        parts = [split(x) for x in ones]
+        total1 = tf.add_n([total1] + [p[0] for p in parts])
+        total2 = tf.add_n([total2] + [p[1] for p in parts])
     return tf.where(tf.math.is_finite(total1), total1 * q1 + total2 * q2, total1)
