@@ -29,10 +29,14 @@ MWMS_WORKERS, MWMS_STEPS = 2, 3
 CLUSTER_TIMEOUT = 90.0  # Seconds for both clusters (all their processes) to finish.
 
 
-@pytest.fixture(scope="module")
-def clusters() -> dict:
+@pytest.fixture(scope="module", params=["one_row", "blocks"])
+def clusters(request) -> dict:
     """One ParameterServerStrategy cluster and one 2-process MultiWorkerMirroredStrategy
-    cluster, run at the same time."""
+    cluster, run at the same time. With "blocks" the deterministic accumulators store
+    blocks of rows and keep the first pending ones by reference (the layout of large
+    gradients, here from 4 elements: ``--blocks``); the expected results are the same
+    bits."""
+    blocks = ["--blocks"] if request.param == "blocks" else []
     ps = [
         script("accumulator_ps.py"),
         "--seed",
@@ -45,6 +49,7 @@ def clusters() -> dict:
         str(PS_COUNT),
         "--rounds",
         str(PS_ROUNDS),
+        *blocks,
     ]
     ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
     mwms = [
@@ -56,6 +61,7 @@ def clusters() -> dict:
             str(SEED),
             "--steps",
             str(MWMS_STEPS),
+            *blocks,
         ]
         for i in range(MWMS_WORKERS)
     ]

@@ -127,9 +127,18 @@ def test_keras_save_weights_during_training_is_a_state_that_existed(tmp_path):
         assert k + c == 1000.0, (k, c)
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_an_accumulator_saved_while_threads_add_restores_an_exact_mean(tmp_path, deterministic):
-    """Issue #12: rows and counters saved apart restored a mean of 0.75 instead of 1.0."""
+@pytest.mark.parametrize("deterministic, blocks", [(True, False), (True, True), (False, False)])
+def test_an_accumulator_saved_while_threads_add_restores_an_exact_mean(
+    tmp_path, monkeypatch, deterministic, blocks
+):
+    """Issue #12: rows and counters saved apart restored a mean of 0.75 instead of 1.0.
+    ``blocks``: the layout of large gradients (here from 8 elements), whose first 4
+    pending contributions are kept by reference and saved with the buffer's rows."""
+    if blocks:
+        from safevars.accumulator import state
+
+        monkeypatch.setattr(state, "_CHUNK", 4)
+        monkeypatch.setattr(state, "_DIRECT", 8)
     variables = [tf.Variable(tf.zeros([16]))]
     acc = safevars.GradientAccumulator(variables, deterministic=deterministic)
     checkpoint = tf.train.Checkpoint(acc=acc)

@@ -15,8 +15,9 @@ the configuration and the trackable state. Where things live:
     into one contribution; ``version`` normalized for the staleness check.
 ``commit.py``
     The critical section of ``add``, one code path eager and in a graph: the staleness
-    decision (policy in :mod:`safevars.staleness`), the copy into the buffer's next
-    free block (and its growth) or the running sum, the counters.
+    decision (policy in :mod:`safevars.staleness`), the contribution kept by reference
+    or copied into the buffer's next free block (and its growth) or added to the
+    running sum, the counters.
 ``take.py``
     ``take()``, ``take_if_ready()``, ``reset()``: the eager wait, the graph take, the
     reduction under the lock, the division and the split into one tensor per variable.
@@ -31,8 +32,9 @@ the configuration and the trackable state. Where things live:
     MultiWorkerMirroredStrategy's all-gather, so every replica counts once.
 ``state.py``
     The shared data types (a variable's slot in the flat state, the layout of a
-    deterministic contribution's block, a contribution on its way to the commit, the
-    untracked helpers) and the declarations of the attributes
+    deterministic contribution's block, the first blocks kept by reference, a
+    contribution on its way to the commit, the untracked helpers) and the declarations
+    of the attributes
     and cross-file methods the mixins rely on, so each file type-checks on its own.
 ``statistics.py``
     :class:`AccumulatorStatistics` and the layout of the counters it is read from.

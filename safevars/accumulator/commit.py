@@ -188,8 +188,9 @@ class _Commit(_AccumulatorBase):
         if tf.executing_eagerly():
             pending = int(self._counters[_PENDING])
             capacity = int(self._rows_shape()[0])
-            if (pending + count) * chunks > capacity:
-                self._grow(capacity, (pending + count) * chunks)
+            needed = (pending + count - self._references) * chunks
+            if needed > capacity:
+                self._grow(capacity, needed)
             self._write_blocks(blocks, pending, offsets)
             return
         pending = self._counters[_PENDING]
@@ -205,7 +206,9 @@ class _Commit(_AccumulatorBase):
         if pending is None:
             pending = self._counters[_PENDING]
         capacity = self._rows_shape()[0]
-        needed = (pending + count) * self._layout.chunks
+        # The buffer holds the blocks past the ones kept by reference.
+        blocks = pending + (count - self._references) if self._references else pending + count
+        needed = blocks * self._layout.chunks
 
         def grow() -> tf.Tensor:
             self._grow(capacity, needed)
@@ -218,9 +221,26 @@ class _Commit(_AccumulatorBase):
     def _write_blocks(
         self, blocks: list[list[tuple[int, Any]]], pending: Any, offsets: list[Any]
     ) -> None:
-        """Scatters each contribution's pieces to block ``pending + offset`` (lock held)."""
+        """Writes each contribution's pieces as block ``pending + offset`` (lock held):
+        the blocks kept by reference first (:class:`.state._References`), then buffer
+        block ``pending + offset - references``."""
         chunks = self._layout.chunks
+        references = self._references
+        eager = tf.executing_eagerly()
         for pieces, offset in zip(blocks, offsets):
+            if references:
+                block = pending + offset if eager else tf.cast(pending, tf.int64) + offset
+                if len(pieces) != len(self._helpers.references.shapes):
+                    # One flat block (gathered from workers): cut into its pieces.
+                    pieces = self._cut_block(pieces)
+                self._helpers.references.write(block, [piece for _, piece in pieces])
+                if eager:
+                    if block < references:
+                        continue
+                    self._scatter(pieces, (block - references) * chunks)
+                else:
+                    self._scatter(pieces, (block - references) * chunks, past=True)
+                continue
             # No op for what adds nothing (offset 0, one row per block, a one-row piece):
             # each op of a traced add costs executor time at every call.
             base = tf.cast(pending, tf.int64)
@@ -228,12 +248,28 @@ class _Commit(_AccumulatorBase):
                 base += offset
             if chunks != 1:
                 base *= chunks
-            for first, piece in pieces:
-                if piece.shape[0] == 1:
-                    rows = tf.reshape(base + first if first else base, [1])
-                else:
-                    rows = tf.range(first, first + piece.shape[0], dtype=tf.int64) + base
-                gen_resource_variable_ops.resource_scatter_update(self._state.handle, rows, piece)
+            self._scatter(pieces, base)
+
+    def _scatter(self, pieces: list[tuple[int, Any]], base: Any, past: bool = False) -> None:
+        """Scatters ``pieces`` to the buffer rows from ``base``. ``past``: only where
+        ``base`` is not negative (a block kept by reference writes no row), in a graph."""
+        for first, piece in pieces:
+            size = piece.shape[0]
+            if past:
+                size = tf.where(base >= 0, tf.constant(size, tf.int64), 0)
+                piece = tf.slice(piece, tf.zeros([2], tf.int64), tf.stack([size, -1]))
+                rows = tf.range(size, dtype=tf.int64) + (base + first)
+            elif size == 1:
+                rows = tf.reshape(base + first if first else base, [1])
+            else:
+                rows = tf.range(first, first + size, dtype=tf.int64) + base
+            gen_resource_variable_ops.resource_scatter_update(self._state.handle, rows, piece)
+
+    def _cut_block(self, pieces: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """A whole block (one ``[chunks, width]`` piece) as the pieces of the layout."""
+        ((_, block),) = pieces
+        sizes = [shape[0] for shape in self._helpers.references.shapes]
+        return list(zip(self._layout.firsts, tf.split(block, sizes, axis=0)))
 
     def _rows_shape(self) -> tf.Tensor:
         """The state's shape (int64), without reading it.

@@ -24,7 +24,14 @@ sum), plus, when some gradient has at least 65,536 elements, padding of fewer th
 from the gradient tensor into rows of 1,024 elements of their own, and the rest is
 packed into whole rows after them (see ``_Layout`` in :mod:`.state`). The buffer
 starts with room for ``max(num_required, 4)`` contributions, doubles when an ``add``
-finds it full and keeps its size after ``take``. ``take`` copies nothing: it reads the
+finds it full and keeps its size after ``take``. With such a gradient, those first
+``max(num_required, 4)`` pending contributions are not copied into the buffer but kept
+by reference (``_References`` in :mod:`.state`): a traced ``add`` hands the gradient
+tensors themselves to variables of their own (no copy of the large ones; eagerly, or
+when something else still holds the tensor, one copy), so the memory is the same, and
+the buffer, empty at first, holds only the contributions pending beyond them (once
+some have been, the last of them also stays referenced: one contribution's worth of
+memory more at most). ``take`` copies nothing: it reads the
 first ``2**ceil(log2(pending))`` contributions in place (at least 4; the whole buffer
 beyond 1024 pending) and reduces them in O(contributions) per element; its only other
 memory is the result and the compiled function's per-element temporaries. With
@@ -70,6 +77,7 @@ from safevars.accumulator.state import (
     _block_layout,
     _flat_layout,
     _Helpers,
+    _References,
     _RowsVariable,
     _Slot,
     _slot,
@@ -250,24 +258,32 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
 
         device = _state_device(leaves[0])
         prefix = name
+        helpers = self._helpers
         with tf.init_scope(), tf.device(device):
             # Direct ResourceVariable construction bypasses distribution strategies'
             # variable creators: the state is one copy even under strategy.scope().
             if deterministic:
                 rows = max(num_required or 0, _MIN_ROWS)
+                # With a gradient stored straight from its tensor (layout.direct), the
+                # first ``rows`` pending contributions are kept by reference
+                # (_References); the buffer holds the ones after them.
+                self._references = rows if self._layout.direct else 0
+                helpers.references = _References(self._layout, self._references, prefix)
                 # Declared with an unknown rank, not [None, elements]: TensorFlow 2.21
                 # aborts a worker that receives a handle to a remote variable whose
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
                 # One block of layout.chunks rows of layout.width elements per contribution.
+                buffered = 0 if self._references else rows
                 self._state = _RowsVariable(
-                    tf.zeros([rows * self._layout.chunks, self._layout.width], tf.float32),
+                    tf.zeros([buffered * self._layout.chunks, self._layout.width], tf.float32),
                     trainable=False,
                     name=f"{prefix}_rows",
                     shape=tf.TensorShape(None),
                 )
-                self._state._set_layout(self._layout, self._size)
+                self._state._set_layout(self._layout, self._size, helpers.references)
             else:
+                self._references = 0
                 self._state = resource_variable_ops.ResourceVariable(
                     tf.zeros([self._size], self._sum_dtype),
                     trainable=False,
@@ -285,7 +301,6 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         self._remote = on_parameter_server(self._state.device)
         self._arrived = threading.Condition()
         self._arrivals = 0
-        helpers = self._helpers
         helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
         helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
         if deterministic:
@@ -323,9 +338,14 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         Deterministic: 4 bytes per element per contribution the buffer has room for (at
         least ``max(num_required, 4)``, and the most ever pending at once), plus the
         padding of a contribution's last row (fewer than 1,024 elements, and only when
-        some gradient has at least 65,536). Otherwise 4 (8 for float64) per element.
+        some gradient has at least 65,536; then the first ``max(num_required, 4)`` are
+        the blocks kept by reference, and the *sink* holding the last contribution
+        pending beyond them is counted too). Otherwise 4 (8 for float64) per element.
         """
-        return int(np.prod(self._rows_shape().numpy())) * self._state.dtype.size
+        buffer = int(np.prod(self._rows_shape().numpy())) * self._state.dtype.size
+        if self._references:
+            buffer += self._helpers.references.nbytes()
+        return buffer
 
     @property
     def count(self) -> int | tf.Tensor:

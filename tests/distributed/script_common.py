@@ -34,12 +34,22 @@ def parser(worker: bool = False, seed: bool = False) -> argparse.ArgumentParser:
         default=0.0,
         help="print every thread's stack and exit after this many seconds",
     )
+    result.add_argument(
+        "--blocks",
+        action="store_true",
+        help="deterministic accumulators of gradients from 4 elements store blocks of "
+        "2-element rows, the first ones kept by reference (the layout of large models)",
+    )
     return result
 
 
 def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parses the command line; with ``--dump-after T`` a hang prints the stacks at T."""
     args = parser.parse_args()
+    if args.blocks:  # before any accumulator is made
+        from safevars.accumulator import state
+
+        state._CHUNK, state._DIRECT = 2, 4
     if args.dump_after > 0:  # A hang shows where it hangs instead of only timing out.
         faulthandler.dump_traceback_later(args.dump_after, exit=True)
     return args
