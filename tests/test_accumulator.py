@@ -237,6 +237,11 @@ class TestBlockLayout:
                     assert buffered == 0  # nothing copied into the buffer yet
             if round_ == 1:
                 assert buffered == 2 * acc._layout.chunks  # blocks 4 and 5
+                # The references, the two buffered blocks and, in a graph, the sink's
+                # reference to block 5 (eagerly the sink is not used).
+                block = acc._layout.chunks * acc._layout.width * 4
+                sink = 0 if mode.name == "eager" else block
+                assert acc.state_bytes == 4 * block + 2 * block + sink
             for got, g in zip(acc.take(), grads):
                 want = (g.sum(axis=0) / count).astype(np.float32)
                 assert got.numpy().tobytes() == want.tobytes()
