@@ -1128,6 +1128,37 @@ class TestBadInput:
 # ---------------------------------------------------------------------- distribute
 
 
+class TestXla:
+    """Inside ``tf.function(jit_compile=True)``: the running sum works; the
+    deterministic accumulator (a growing buffer, a take reading a number of rows known
+    at run time) is refused when traced, naming the fix, and nothing changes."""
+
+    def test_a_running_sum_adds_and_takes_under_xla(self):
+        acc = GradientAccumulator(
+            [tf.Variable(tf.zeros([3]))], deterministic=False, num_required=2, reduction="sum"
+        )
+        step = tf.function(lambda g: acc.take_if_ready() + (acc.add([g]),), jit_compile=True)
+        got = [step(tf.fill([3], float(i))) for i in range(5)]
+        assert [bool(r[0]) for r in got] == [False, False, True, False, True]
+        np.testing.assert_array_equal(got[2][1][0], [1.0, 1.0, 1.0])  # 0 + 1
+        np.testing.assert_array_equal(got[4][1][0], [5.0, 5.0, 5.0])  # 2 + 3
+        assert acc.count == 1 and acc.statistics().added == 5
+
+    @pytest.mark.parametrize("call", ["add", "take", "take_if_ready"])
+    def test_deterministic_calls_are_refused_under_xla(self, call):
+        acc = GradientAccumulator([tf.Variable(tf.zeros([3]))])
+        acc.add([tf.ones([3])])
+        before = state(acc)
+        calls = {
+            "add": lambda: acc.add([tf.ones([3])]),
+            "take": lambda: acc.take()[0],
+            "take_if_ready": lambda: acc.take_if_ready()[0],
+        }
+        with pytest.raises(InvalidArgumentError, match=f"{call}.*deterministic=False"):
+            tf.function(calls[call], jit_compile=True)()
+        assert state(acc) == before
+
+
 class TestMirroredStrategy:
     def make(self, strategy, **kwargs):
         with strategy.scope():

@@ -136,3 +136,40 @@ def test_raise_policies_are_refused_under_xla_and_change_nothing(policy):
         step(tf.constant(GRADS[0]))
     np.testing.assert_array_equal(v.numpy(), INIT)
     assert v.version == 0 and opt.statistics().calls == 0
+
+
+def test_accumulate_steps_under_xla_with_a_running_sum_trains_like_without():
+    """accumulate_steps=2 with deterministic=False (a running sum) inside
+    model.compile(jit_compile=True): two calls per update, the same weights as the same
+    model compiled without XLA (the sum of two float32 values does not depend on their
+    order)."""
+    x, y = regression_data()
+    compiled = model(
+        SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2, deterministic=False)
+    )
+    plain = model(
+        SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2, deterministic=False)
+    )
+    plain.compile(optimizer=plain.optimizer, loss="mse", jit_compile=False)
+    for m in (compiled, plain):
+        m.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    assert compiled.jit_compile and not plain.jit_compile
+    stats = compiled.optimizer.statistics()
+    assert stats.calls == 8 and int(compiled.optimizer.iterations.numpy()) == 4
+    for a, b in zip(compiled.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic_accumulation_is_refused_under_xla_and_changes_nothing():
+    """The deterministic accumulator's buffer grows and its take reads a number of rows
+    known only at run time: XLA compiles neither. The compiled step is refused when
+    traced, with the fix in the message, and nothing changes."""
+    v = SafeVariable(INIT)
+    opt = SafeOptimizer(keras.optimizers.SGD(0.1), accumulate_steps=2)
+    opt.build([v])
+    step = tf.function(lambda g: opt.apply_gradients([(g, v)]), jit_compile=True)
+    with pytest.raises(InvalidArgumentError, match="deterministic=False"):
+        step(tf.constant(GRADS[0]))
+    np.testing.assert_array_equal(v.numpy(), INIT)
+    assert v.version == 0 and opt.statistics().calls == 0
+    assert opt.safevars_state.accumulator.statistics().added == 0

@@ -23,7 +23,14 @@ from safevars.accumulator.replicas import (
     _replica_context,
     _spans_workers,
 )
-from safevars.accumulator.state import _NARROW_FLOATS, _AccumulatorBase, _concat, _Part, _Slot
+from safevars.accumulator.state import (
+    _NARROW_FLOATS,
+    _AccumulatorBase,
+    _concat,
+    _Part,
+    _refuse_xla,
+    _Slot,
+)
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -79,6 +86,7 @@ class _Contributions(_AccumulatorBase):
         committed together, in replica order).
         """
         self._leaves(gradients)  # the structure first: a clean error, nothing changed
+        _refuse_xla(self._deterministic, "add")
         strategy = self._strategy()
         replica = _replica_context()
         if replica is not None:

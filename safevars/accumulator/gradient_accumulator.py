@@ -53,6 +53,11 @@ NOTES:
     TensorFlow builds without XLA's JIT cannot run it. It runs under the lock, so the
     first ``take`` for each power of two of pending rows also holds the lock while XLA
     compiles (a fraction of a second).
+  * Inside a function compiled with XLA (``jit_compile=True``, Keras' choice on a GPU)
+    only ``deterministic=False`` works: the deterministic buffer grows by taking a new
+    shape and its ``take`` reads a number of rows known at run time, which XLA cannot
+    compile, so ``add``, ``take`` and ``take_if_ready`` are refused there when traced
+    (``InvalidArgumentError`` naming the fix; nothing changes).
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
     supported (see "Strategies" in :class:`GradientAccumulator`); under
     ``ParameterServerStrategy`` the accumulator must be created in the strategy's

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
 from safevars._tf_internal import gen_resource_variable_ops, resource_variable_ops
 from safevars._validation import short
 from safevars.errors import DTypeMismatchError, InvalidArgumentError
@@ -330,6 +331,23 @@ class _References:
             shape = gen_resource_variable_ops.variable_shape(v.handle, out_type=tf.int64)
             total += int(np.prod(shape.numpy()))
         return 4 * total
+
+
+def _refuse_xla(deterministic: bool, call: str) -> None:
+    """A deterministic accumulator's ``call`` traced inside an XLA-compiled function:
+    InvalidArgumentError (at trace time, nothing changed). Its buffer grows by
+    reassigning a variable with a new shape, and ``take`` picks the rows it reads by a
+    shape computed at run time; XLA compiles neither (before this check, TensorFlow
+    failed with "Shape of resource ... cannot be changed after initialization")."""
+    if deterministic and not tf.executing_eagerly() and tfi.in_xla_context():
+        raise InvalidArgumentError(
+            f"GradientAccumulator(deterministic=True).{call}() cannot run inside an "
+            "XLA-compiled function (jit_compile=True, which Keras picks on a GPU): its "
+            "buffer grows and its reduction reads a number of rows known only at run "
+            "time. Pass deterministic=False (a float32 running sum, added in arrival "
+            "order; for SafeOptimizer(accumulate_steps=k), SafeOptimizer(..., "
+            "deterministic=False)), or compile with jit_compile=False."
+        )
 
 
 def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:

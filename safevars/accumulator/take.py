@@ -20,7 +20,7 @@ from safevars.accumulator.reproducible_sum import (
     _marker_shapes,
     _reproducible_sum,
 )
-from safevars.accumulator.state import _AccumulatorBase
+from safevars.accumulator.state import _AccumulatorBase, _refuse_xla
 from safevars.accumulator.statistics import (
     _DISCARDED,
     _NUM_COUNTERS,
@@ -67,6 +67,7 @@ class _Take(_AccumulatorBase):
         ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
         returns the same result to every replica.
         """
+        _refuse_xla(self._deterministic, "take")
         self._strategy()
         replica = _replica_context()
         if replica is not None:
@@ -102,6 +103,7 @@ class _Take(_AccumulatorBase):
 
         Modes: eager and ``tf.function``; inside ``strategy.run`` as :meth:`take`.
         """
+        _refuse_xla(self._deterministic, "take_if_ready")
         self._strategy()
         replica = _replica_context()
         if replica is not None:
