@@ -465,3 +465,51 @@ def test_asynchronous_exceptions_into_optimizer_steps_keep_joint_versions_togeth
         assert not stats.locked and stats.owner is None and stats.depth == 0, stats
     run_threads(1, lambda _: step())  # the lock still works, from a fresh thread
     assert [v.version for v in variables] == [versions[0] + 1] * len(variables)
+
+
+@_IGNORED_IN_DEL
+def test_an_exception_at_every_check_point_of_an_accumulator_add_keeps_blocks_whole(
+    monkeypatch,
+):
+    """A deterministic accumulator whose blocks have two pieces (a gradient stored
+    straight from its tensor and a packed one): the first 4 pending blocks are kept by
+    reference, one variable per piece, the later ones buffered. An add interrupted at
+    each check point in turn (adds that get through keep the block count growing past
+    the references). Every add gives both variables one value, new each time, so a
+    block counted with one piece from one add and the other from another would take
+    two different means. After each interrupted add the lock is free and the counters
+    agree; the final take is whole."""
+    from safevars.accumulator import state
+
+    monkeypatch.setattr(state, "_CHUNK", 4)
+    monkeypatch.setattr(state, "_DIRECT", 8)
+    acc = safevars.GradientAccumulator([tf.Variable(tf.zeros([16])), tf.Variable(tf.zeros([3]))])
+    assert acc._references == 4
+    value = [0.0]
+
+    def op():
+        value[0] += 1.0
+        acc.add([tf.fill([16], value[0]), tf.fill([3], value[0])])
+
+    k = 0
+    while True:
+        fault = _FaultAt(k)
+        sys.setprofile(fault)
+        try:
+            op()
+        except Injected:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert safevars.held_locks() == [], f"an exception at check point {k} kept the lock"
+        stats = acc.statistics()
+        assert stats.pending == stats.added, (k, stats)
+        if not fault.fired:
+            break
+        k += 1
+    assert k > 10 and acc.count > 4, (k, acc.count)  # past the references
+    gc.collect()
+    taken: list = []
+    run_threads(1, lambda _: taken.extend(acc.take()))  # the lock, from a fresh thread
+    kernel, bias = taken
+    assert len(set(kernel.numpy().tolist() + bias.numpy().tolist())) == 1
