@@ -372,11 +372,12 @@ class _FaultAt:
             self.seen += 1
 
 
-def _every_check_point(op, variables) -> int:
+def _every_check_point(op, variables, check=None) -> int:
     """Runs ``op`` once per check point with an exception there; returns how many.
 
     After each run every lock of ``variables`` must be free and each value must equal
-    its version (every write adds 1 to both), or the test fails naming the point.
+    its version (every write adds 1 to both), and ``check(k)`` (if given) must pass, or
+    the test fails naming the point.
     """
     k = 0
     while True:
@@ -388,6 +389,8 @@ def _every_check_point(op, variables) -> int:
             pass
         finally:
             sys.setprofile(None)
+        if check is not None:
+            check(k)
         for v in variables:
             stats = v.statistics()
             assert not stats.locked, f"an exception at check point {k} orphaned the lock"
@@ -491,22 +494,12 @@ def test_an_exception_at_every_check_point_of_an_accumulator_add_keeps_blocks_wh
         value[0] += 1.0
         acc.add([tf.fill([16], value[0]), tf.fill([3], value[0])])
 
-    k = 0
-    while True:
-        fault = _FaultAt(k)
-        sys.setprofile(fault)
-        try:
-            op()
-        except Injected:
-            pass
-        finally:
-            sys.setprofile(None)
+    def check(k):
         assert safevars.held_locks() == [], f"an exception at check point {k} kept the lock"
         stats = acc.statistics()
         assert stats.pending == stats.added, (k, stats)
-        if not fault.fired:
-            break
-        k += 1
+
+    k = _every_check_point(op, [], check)
     assert k > 10 and acc.count > 4, (k, acc.count)  # past the references
     gc.collect()
     taken: list = []
