@@ -4,8 +4,9 @@ XLA cannot compile mutex ops, so a section traced inside a compiled function rec
 locks and the locks are taken around the compiled call (``safevars.sections``). These
 tests check what users see: ``model.compile(jit_compile=True)`` and a custom compiled step
 train, concurrent compiled steps never interleave (``iterations`` exact, the weights those
-of the serial order the steps took), and the ``"raise"`` policies, whose run-time
-assertions XLA drops, are refused instead of silently applied. On CPU here.
+of the serial order the steps took), the ``"raise"`` policies, whose run-time
+assertions XLA drops, are refused instead of silently applied, and so is the exact
+accumulation of ``accumulate_steps`` (its running-sum form trains). On CPU here.
 """
 
 from __future__ import annotations
