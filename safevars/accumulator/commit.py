@@ -184,11 +184,10 @@ class _Commit(_AccumulatorBase):
             order = tf.argsort(tf.cast(refused, tf.int32), stable=True)
             where = tf.cast(tf.math.invert_permutation(order), tf.int64)
             offsets = [where[k] for k in range(count)]
-        chunks = layout.chunks
         if tf.executing_eagerly():
             pending = int(self._counters[_PENDING])
             capacity = int(self._rows_shape()[0])
-            needed = (pending + count - self._references) * chunks
+            needed = self._rows_needed(pending, count)
             if needed > capacity:
                 self._grow(capacity, needed)
             self._write_blocks(blocks, pending, offsets)
@@ -206,9 +205,7 @@ class _Commit(_AccumulatorBase):
         if pending is None:
             pending = self._counters[_PENDING]
         capacity = self._rows_shape()[0]
-        # The buffer holds the blocks past the ones kept by reference.
-        blocks = pending + (count - self._references) if self._references else pending + count
-        needed = blocks * self._layout.chunks
+        needed = self._rows_needed(pending, count)
 
         def grow() -> tf.Tensor:
             self._grow(capacity, needed)
@@ -217,6 +214,13 @@ class _Commit(_AccumulatorBase):
         grown = tf.cond(needed > capacity, grow, lambda: tf.constant(False))
         _keep_as_kernel(grown)
         return grown
+
+    def _rows_needed(self, pending: Any, count: int) -> Any:
+        """Buffer rows that ``pending`` and ``count`` more contributions need (an int
+        eagerly, a tensor in a graph): the buffer holds the blocks past the ones kept by
+        reference."""
+        blocks = pending + (count - self._references) if self._references else pending + count
+        return blocks * self._layout.chunks
 
     def _write_blocks(
         self, blocks: list[list[tuple[int, Any]]], pending: Any, offsets: list[Any]
@@ -233,13 +237,13 @@ class _Commit(_AccumulatorBase):
                 if len(pieces) != len(self._helpers.references.shapes):
                     # One flat block (gathered from workers): cut into its pieces.
                     pieces = self._cut_block(pieces)
+                base = (block - references) * chunks
+                if eager and base >= 0:
+                    self._scatter(pieces, base)
+                    continue
                 self._helpers.references.write(block, [piece for _, piece in pieces])
-                if eager:
-                    if block < references:
-                        continue
-                    self._scatter(pieces, (block - references) * chunks)
-                else:
-                    self._scatter(pieces, (block - references) * chunks, past=True)
+                if not eager:  # where the block is past the references (else no row)
+                    self._scatter(pieces, base, past=True)
                 continue
             # No op for what adds nothing (offset 0, one row per block, a one-row piece):
             # each op of a traced add costs executor time at every call.

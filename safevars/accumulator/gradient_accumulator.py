@@ -272,14 +272,14 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                 # With a gradient stored straight from its tensor (layout.direct), the
                 # first ``rows`` pending contributions are kept by reference
                 # (_References); the buffer holds the ones after them.
-                self._references = rows if self._layout.direct else 0
-                helpers.references = _References(self._layout, self._references, prefix)
+                references = rows if self._layout.direct else 0
+                helpers.references = _References(self._layout, references, prefix)
                 # Declared with an unknown rank, not [None, elements]: TensorFlow 2.21
                 # aborts a worker that receives a handle to a remote variable whose
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
                 # One block of layout.chunks rows of layout.width elements per contribution.
-                buffered = 0 if self._references else rows
+                buffered = 0 if references else rows
                 self._state = _RowsVariable(
                     tf.zeros([buffered * self._layout.chunks, self._layout.width], tf.float32),
                     trainable=False,
@@ -288,7 +288,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                 )
                 self._state._set_layout(self._layout, self._size, helpers.references)
             else:
-                self._references = 0
+                helpers.references = _References(self._layout, 0, prefix)
                 self._state = resource_variable_ops.ResourceVariable(
                     tf.zeros([self._size], self._sum_dtype),
                     trainable=False,
@@ -351,6 +351,12 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         if self._references:
             buffer += self._helpers.references.nbytes()
         return buffer
+
+    @property
+    def _references(self) -> int:
+        """Pending blocks kept by reference (:class:`~.state._References`); 0 without a
+        gradient of at least 65,536 elements, and for a running sum."""
+        return self._helpers.references.count
 
     @property
     def count(self) -> int | tf.Tensor:

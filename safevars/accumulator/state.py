@@ -177,13 +177,19 @@ class _RowsVariable(resource_variable_ops.ResourceVariable):
         self._safevars_size = size
         self._safevars_references = references
 
-    def _serialize_to_tensors(self) -> dict[str, Any]:
-        saved = super()._serialize_to_tensors()
+    def _row_layout(self) -> tf.Tensor:
+        """The pending blocks in the row layout: the ones kept by reference, then the
+        buffer's rows (a copy)."""
         references = self._safevars_references
         if not references.count:
+            return self.read_value()
+        return tf.concat([references.rows(), self.read_value()], 0)
+
+    def _serialize_to_tensors(self) -> dict[str, Any]:
+        saved = super()._serialize_to_tensors()
+        if not self._safevars_references.count:
             return saved
-        key = next(iter(saved))
-        return {key: tf.concat([references.rows(), self.read_value()], 0)}
+        return {next(iter(saved)): self._row_layout()}
 
     def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
         key = next(iter(restored_tensors))
@@ -257,13 +263,12 @@ class _References:
         self._writers: dict[int, Callable[..., Any]] = {}
 
     def write(self, block: int | tf.Tensor, pieces: list[tf.Tensor]) -> None:
-        """Keeps ``pieces`` (in :attr:`_Layout.firsts` order) as block ``block``, if it
-        is one of the references (lock held). Eagerly a block past them is left to the
-        caller; in a graph its pieces go to the sink."""
+        """Keeps ``pieces`` (in :attr:`_Layout.firsts` order) as block ``block`` (lock
+        held): eagerly one of the references; in a graph any block, and the pieces of
+        one past the references go to the sink."""
         if isinstance(block, int):
-            if block < self.count:
-                for variable, piece in zip(self.blocks[block], pieces):
-                    variable.assign(piece, read_value=False)
+            for variable, piece in zip(self.blocks[block], pieces):
+                variable.assign(piece, read_value=False)
             return
         index = tf.minimum(block, self.count)
         for k, piece in enumerate(pieces):
@@ -292,18 +297,10 @@ class _References:
             self._writers[k] = tf.function(write, autograph=False)
         return self._writers[k]
 
-    def flat_blocks(self) -> list[tf.Tensor]:
-        """Each block as one flat vector of ``chunks * width`` elements (a read)."""
-        return [
-            _concat([tf.reshape(v.read_value(), [-1]) for v in block]) for block in self.blocks
-        ]
-
     def rows(self) -> tf.Tensor:
         """The blocks as ``[count * chunks, width]`` buffer rows (a copy)."""
-        width = self.layout.width
-        if not self.count:
-            return tf.zeros([0, width], tf.float32)
-        return tf.reshape(tf.concat(self.flat_blocks(), 0), [-1, width])
+        pieces = [v.read_value() for block in self.blocks for v in block]
+        return _concat(pieces) if pieces else tf.zeros([0, self.layout.width], tf.float32)
 
     def restore(self, rows: tf.Tensor) -> tf.Tensor:
         """Assigns the blocks from the first ``count * chunks`` rows of ``rows`` (zeros
@@ -395,7 +392,6 @@ class _AccumulatorBase:
     _slots: tuple[_Slot, ...]
     _size: int
     _layout: _Layout  # deterministic: the block layout; otherwise one segment per slot
-    _references: int  # blocks kept by reference (_References.count); 0 for a running sum
     _sum_dtype: tf.DType
     _state: Any  # a ResourceVariable: the rows buffer or the running sum
     _counters: Any  # a ResourceVariable: the int64 counters (statistics.py)
@@ -408,6 +404,9 @@ class _AccumulatorBase:
 
         @property
         def count(self) -> int | tf.Tensor: ...  # gradient_accumulator.py
+
+        @property
+        def _references(self) -> int: ...  # gradient_accumulator.py
 
         def _strategy(self) -> tf.distribute.Strategy | None: ...  # placement.py
 

@@ -273,10 +273,7 @@ class _Take(_AccumulatorBase):
     def _rows(self) -> tf.Tensor:
         """A deterministic accumulator's blocks in the row layout: the ones kept by
         reference, then the buffer's rows (what a checkpoint saves; a copy)."""
-        references = self._helpers.references
-        if not references.count:
-            return self._state.read_value()
-        return tf.concat([references.rows(), self._state.read_value()], 0)
+        return self._state._row_layout()
 
     def _zeros(self) -> tuple[tf.Tensor, ...]:
         return tuple(tf.zeros(s.shape, s.dtype) for s in self._slots)
