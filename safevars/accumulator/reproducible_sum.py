@@ -6,27 +6,40 @@ How determinism is achieved (``deterministic=True``):
   block is one row, or for large gradients several rows; :mod:`.state`). With large
   gradients the first blocks are kept by reference instead, one variable per piece,
   and are read in place as the first rows (``leading``). Here a "row" is
-  one contribution's block. ``take`` reduces the pending rows with a two-level
-  *reproducible summation* (after Demmel and Nguyen, "Fast Reproducible Floating-Point
-  Summation", ARITH 2013): for each element, with ``M`` the largest magnitude among its
-  values (a maximum does not depend on order), every value is split exactly into a
-  multiple of a grid ``q1`` derived from ``M`` and the count, a multiple of a finer grid
-  ``q2`` and a remainder below ``q2``. The multiples are integers small enough that
-  their float64 sums are exact in any order; the remainders (below ``2**-87 * M`` in
-  total for up to 64 contributions) are dropped. ``sum1 * q1 + sum2 * q2`` is then
-  rounded once, divided by the count once and rounded once to the variable's dtype (for
-  float16 and bfloat16 variables twice: TensorFlow and XLA cast float64 to them through
-  float32, which can differ from one rounding in the last bit; still a function of the
-  value alone). Every step is exact or a fixed sequence of IEEE roundings, so the result
-  depends only on the multiset of contributions, not on their order, their rows, the
-  summation order TensorFlow or XLA picks, or the device; and it is within float32
-  rounding of the exact mean unless the contributions cancel to below about ``2**-60``
-  of their largest value. The reduction is one XLA-compiled function
-  (``jit_compile=True``) that reads the buffer in place, under the lock, and combines
-  four rows at a time by elementwise ops, so that for up to four contributions it is a
-  single vectorized pass (on the 2-core development CPU, launch included and measured
-  with other processes running: about 60 µs for 26K elements, 2 ms for 1.3M); XLA does
-  not change the result.
+  one contribution's block. ``take`` reduces the pending rows by one of two methods,
+  picked by their number alone:
+
+  * **Up to four** (:func:`_sorted_sum`; the common case: accumulating K <= 4
+    micro-batches): each element's values are put in ascending order by a sorting
+    network (five elementwise minimum/maximum pairs: the sorted values are the same
+    whatever order they came in) and added in float64 in that order, each addition's
+    rounding error kept exactly (Knuth's TwoSum) and added back at the end. The float64
+    sum is within one rounding plus ``2**-98`` of the largest value of the exact sum.
+  * **More** (:func:`_grid_sum`): a two-level *reproducible summation* (after Demmel
+    and Nguyen, "Fast Reproducible Floating-Point Summation", ARITH 2013): for each
+    element, with ``M`` the largest magnitude among its values (a maximum does not
+    depend on order), every value is split exactly into a multiple of a grid ``q1``
+    derived from ``M`` and the count, a multiple of a finer grid ``q2`` and a
+    remainder below ``q2``. The multiples are integers small enough that their float64
+    sums are exact in any order; the remainders (below ``2**-87 * M`` in total for up
+    to 64 contributions) are dropped, and ``sum1 * q1 + sum2 * q2`` is rounded once.
+
+  The float64 sum is then divided by the count once and rounded once to the variable's
+  dtype (for float16 and bfloat16 variables twice: TensorFlow and XLA cast float64 to
+  them through float32, which can differ from one rounding in the last bit; still a
+  function of the value alone). Every step is exact, a fixed sequence of IEEE roundings
+  or an order-free sort, so the result depends only on the multiset of contributions,
+  not on their order, their rows, the summation order TensorFlow or XLA picks, or the
+  device; and it is within float32 rounding of the exact mean unless the contributions
+  cancel to below about ``2**-60`` of their largest value (``2**-70`` for up to four).
+  The sorted sum replaced the grid for up to four contributions on 2026-11-27: in one
+  process, per micro-step of the accumulator benchmark against Keras, 1.163x -> 1.128x
+  (1.3M parameters) and 1.122x -> 1.098x (26K), 40 rotated rounds each. The reduction is
+  one XLA-compiled function (``jit_compile=True``) that reads the buffer in place, under
+  the lock; the grid combines four rows at a time by elementwise ops, so that up to four
+  contributions would be a single vectorized pass; XLA does not change the result.
+  (TensorFlow's CPU kernels flush float32 subnormals to zero; both methods see them as
+  zeros.)
 
 The row buffer is filled by :mod:`.commit` and read, in place and under the lock, by
 :mod:`.take`, which calls :func:`_reproducible_sum` from one compiled function.
@@ -42,6 +55,10 @@ import tensorflow as tf
 
 # Rows combined elementwise by the reduction (see _reproducible_sum).
 _GROUP = 4
+# Up to this many contributions are summed by sorting them (see _sorted_sum).
+_SORTED = 4
+# A sorting network for four values (Knuth, TAOCP 5.3.4; optimal: five comparators).
+_NETWORK = ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2))
 # Pending counts up to this read a power of two of rows at take, beyond it all rows.
 _MARKER_TABLE = 1024
 _LN2 = float(np.log(2.0))
@@ -78,8 +95,68 @@ def _reproducible_sum(
         reference (:mod:`.state`), read where they are rather than stacked.
 
     Returns:
-      float64 ``[n]``. See the module docstring for the method and its error bound.
-      Non-finite values propagate as in IEEE addition (+Inf and -Inf give NaN).
+      float64 ``[n]``. See the module docstring for the methods and their error
+      bounds: :func:`_sorted_sum` of the first :data:`_SORTED` rows when ``count`` is
+      at most that, else :func:`_grid_sum`. Non-finite values propagate as in IEEE
+      addition (+Inf and -Inf give NaN).
+    """
+    count = tf.cast(count, tf.int64)
+
+    def first_rows() -> list[tf.Tensor]:
+        # The first _SORTED rows of the whole (the buffer's padded if it has fewer).
+        from_rows = _SORTED - min(len(leading), _SORTED)
+        padded = rows
+        if from_rows:
+            b = tf.shape(rows, out_type=tf.int64)[0]
+            padded = tf.pad(rows, [[0, tf.maximum(from_rows - b, 0)], [0, 0]])
+        return list(leading[:_SORTED]) + [padded[j] for j in range(from_rows)]
+
+    return tf.cond(
+        count <= _SORTED,
+        lambda: _sorted_sum(first_rows(), count),
+        lambda: _grid_sum(rows, count, leading),
+    )
+
+
+def _two_sum(a: tf.Tensor, b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``a + b`` rounded, and its rounding error, exactly (Knuth's TwoSum: no
+    condition on the magnitudes; float64, finite)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+def _sorted_sum(values: Sequence[tf.Tensor], count: tf.Tensor) -> tf.Tensor:
+    """Per-element sums of ``values[:count]`` (float32 ``[n]`` each, ``count`` at most
+    :data:`_SORTED`), independent of their order.
+
+    The values past ``count`` are replaced by -0.0 (the identity of IEEE addition:
+    ``x + -0.0`` is ``x`` for every ``x``, +0.0 included), each element's values are
+    put in ascending order by :data:`_NETWORK` (a sorting network: elementwise
+    minima and maxima, so the sorted row is the same whatever order the values came
+    in; equal values are the same bits but for +0.0 and -0.0, whose order does not
+    change a sum), then added in float64 in that order, each addition's rounding
+    error kept exactly (:func:`_two_sum`) and added back once at the end. Where a
+    value is not finite the result is their plain sum (NaN, or an infinity), which
+    does not depend on the order; minima and maxima are not relied on for NaN
+    (TensorFlow's CPU kernels may drop it).
+    """
+    minus_zero = tf.constant(-0.0, tf.float64)
+    xs = [tf.where(j < count, tf.cast(x, tf.float64), minus_zero) for j, x in enumerate(values)]
+    if len(xs) == 1:
+        return xs[0]
+    plain = functools.reduce(tf.add, xs)  # finite exactly when every value is
+    for i, j in _NETWORK:
+        xs[i], xs[j] = tf.minimum(xs[i], xs[j]), tf.maximum(xs[i], xs[j])
+    total, errors = _two_sum(xs[0], xs[1])
+    for x in xs[2:]:
+        total, error = _two_sum(total, x)
+        errors += error
+    return tf.where(tf.math.is_finite(plain), total + errors, plain)
+
+
+def _grid_sum(rows: tf.Tensor, count: tf.Tensor, leading: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    """:func:`_reproducible_sum` by the two-level grid (any ``count``).
 
     The rows are taken in groups of :data:`_GROUP` (the last one padded with ignored
     rows): within a group the rows are combined by elementwise ops, across groups by
