@@ -684,6 +684,22 @@ class TestDeterminism:
             np.testing.assert_array_equal(out, np.array(list(columns.values())))
 
     @pytest.mark.usefixtures("layout")
+    def test_take_of_up_to_four_keeps_what_the_grid_dropped(self, mode):
+        """1 + 2**-110 - 1, in every order: the sorted sum keeps the 2**-110 that the
+        two-level grid drops (below its finer grid, 2**-100 here), in every layout."""
+        import itertools
+
+        v = tf.Variable(tf.zeros([16]))
+        acc = GradientAccumulator([v])
+        add = mode(lambda g: acc.add([g]))
+        want = np.float32(2.0**-110 / 3)
+        for order in itertools.permutations([1.0, 2.0**-110, -1.0]):
+            for value in order:
+                add(tf.fill([16], np.float32(value)))
+            out = acc.take()[0].numpy()
+            assert out.tobytes() == np.full([16], want, np.float32).tobytes(), order
+
+    @pytest.mark.usefixtures("layout")
     def test_four_threads_adding_four_give_the_same_bits(self, mode):
         """An accumulator taking four contributions at a time (the sorted sum) gives
         bitwise the same mean whatever order four threads add them in."""
