@@ -12,14 +12,16 @@ mutexes) while the compiled function runs, inside another ``tf.function`` by a s
 whose body is the call op. A compiled function thus runs as a whole under the locks of
 every variable it writes: concurrent compiled steps never interleave, and they exclude
 every other safevars writer of those variables. (XLA itself also holds the variables'
-own resource locks for the whole compiled call.)
+own resource locks for the whole compiled call.) What XLA cannot do inside (change a
+variable's shape: a ``GradientAccumulator`` growing its buffer) is recorded the same way
+(:func:`record_xla_preparation`) and done under those locks just before the call.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -38,9 +40,13 @@ __all__ = [
     "graph_inputs",
     "graph_section",
     "held_in_graph",
+    "record_xla_preparation",
 ]
 
 _XLA_LOCKS = "_safevars_xla_locks"  # FuncGraph attribute: locks its compiled call needs.
+# FuncGraph attribute: what its compiled call prepares under those locks before it runs,
+# {key: [prepare, amount]} (see record_xla_preparation).
+_XLA_PREPARATIONS = "_safevars_xla_preparations"
 
 
 def _graph_held() -> list[tuple[Any, frozenset[SectionLock], list[Any]]]:
@@ -397,14 +403,10 @@ def _check_xla_strategy() -> None:
 # ---------------------------------------------------------------------- compiled calls
 
 
-def _record_xla_locks(graph: Any, locks: Sequence[SectionLock]) -> None:
-    """Notes ``locks`` on every graph from ``graph`` out to the compiled function's."""
+def _xla_graphs(graph: Any) -> Iterator[Any]:
+    """``graph`` and every graph around it that is part of the same compiled function."""
     while graph is not None and tfi.in_xla_context(graph):
-        recorded = getattr(graph, _XLA_LOCKS, None)
-        if recorded is None:
-            recorded = set()
-            setattr(graph, _XLA_LOCKS, recorded)
-        recorded.update(locks)
+        yield graph
         outer = getattr(graph, "outer_graph", None)
         # TensorFlow marks a calling graph as an XLA context only while it builds the
         # call op of a compiled function; the calling graph is part of the compiled
@@ -416,6 +418,51 @@ def _record_xla_locks(graph: Any, locks: Sequence[SectionLock]) -> None:
         if not tfi.in_xla_context(outer.outer_graph):
             break
         graph = outer
+
+
+def _record_xla_locks(graph: Any, locks: Sequence[SectionLock]) -> None:
+    """Notes ``locks`` on every graph from ``graph`` out to the compiled function's."""
+    for g in _xla_graphs(graph):
+        recorded = getattr(g, _XLA_LOCKS, None)
+        if recorded is None:
+            recorded = set()
+            setattr(g, _XLA_LOCKS, recorded)
+        recorded.update(locks)
+
+
+def record_xla_preparation(key: Any, prepare: Callable[[int], Any], amount: int) -> None:
+    """Inside an XLA-compiled function being traced: ``prepare(total)`` is to run before
+    every call of it, under the locks the call takes, with ``total`` the sum of the
+    ``amount`` recorded for ``key`` (by this function and the compiled functions it
+    calls).
+
+    For state that XLA cannot change the shape of: a ``GradientAccumulator``'s row
+    buffer grows there, before the compiled ``add`` that needs the rows. ``prepare``
+    runs eagerly when the compiled function is called eagerly, and in the calling
+    graph's section (its ops are returned; the call waits for them) otherwise.
+    """
+    for g in _xla_graphs(tfi.default_graph()):
+        recorded = getattr(g, _XLA_PREPARATIONS, None)
+        if recorded is None:
+            recorded = {}
+            setattr(g, _XLA_PREPARATIONS, recorded)
+        entry = recorded.setdefault(key, [prepare, 0])
+        entry[1] += amount
+
+
+def _preparations_of(function: Any) -> dict[Any, list[Any]]:
+    graph = getattr(function, "_func_graph", None)
+    return getattr(graph, _XLA_PREPARATIONS, None) or {}
+
+
+def _prepare(preparations: dict[Any, list[Any]]) -> list[Any]:
+    """Runs the preparations of a compiled call (locks held); their ops in a graph."""
+    ops = []
+    for prepare, total in preparations.values():
+        done = prepare(total)
+        if done is not None and not tf.executing_eagerly():
+            ops.append(done)
+    return ops
 
 
 def _locks_of(function: Any) -> list[SectionLock]:
@@ -431,8 +478,10 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
         locks = _locks_of(self)
         if not locks:
             return original(self, tensor_inputs, captured_inputs)
+        preparations = _preparations_of(self)
         if tf.executing_eagerly():
             with locking.hold_locks(locks):
+                _prepare(preparations)
                 return original(self, tensor_inputs, captured_inputs)
         graph = tfi.default_graph()
         # TensorFlow marks the calling graph as an XLA context while it builds the call
@@ -440,13 +489,15 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
         # only if the graphs around the calling one are XLA contexts too.
         if tfi.in_xla_context(getattr(graph, "outer_graph", None) or graph):
             _record_xla_locks(graph, locks)
+            for key, (prepare, amount) in preparations.items():
+                record_xla_preparation(key, prepare, amount)
             return original(self, tensor_inputs, captured_inputs)
-        return lock_section(
-            locks,
-            lambda: original(self, tensor_inputs, captured_inputs),
-            tensor_inputs,
-            compiled_call=True,
-        )
+
+        def prepared_call() -> Any:
+            with tf.control_dependencies(_prepare(preparations)):
+                return original(self, tensor_inputs, captured_inputs)
+
+        return lock_section(locks, prepared_call, tensor_inputs, compiled_call=True)
 
     call_flat.__wrapped__ = original  # type: ignore[attr-defined]
     call_flat._safevars_xla = True  # type: ignore[attr-defined]

@@ -1259,9 +1259,12 @@ class TestBadInput:
 
 
 class TestXla:
-    """Inside ``tf.function(jit_compile=True)``: the running sum works; the
-    deterministic accumulator (a growing buffer, a take reading a number of rows known
-    at run time) is refused when traced, naming the fix, and nothing changes."""
+    """Inside ``tf.function(jit_compile=True)`` (Keras' default on a GPU). XLA compiles no
+    mutex (the lock is taken around the compiled call), no change of a variable's shape,
+    no gathered handle: the deterministic buffer grows before the compiled call, for
+    every add the function makes (``sections.record_xla_preparation``), a block kept by
+    reference is picked by a ``tf.switch_case``, and ``take`` reduces every block of
+    the buffer, masked by the pending count."""
 
     def test_a_running_sum_adds_and_takes_under_xla(self):
         acc = GradientAccumulator(
@@ -1274,19 +1277,89 @@ class TestXla:
         np.testing.assert_array_equal(got[4][1][0], [5.0, 5.0, 5.0])  # 2 + 3
         assert acc.count == 1 and acc.statistics().added == 5
 
-    @pytest.mark.parametrize("call", ["add", "take", "take_if_ready"])
-    def test_deterministic_calls_are_refused_under_xla(self, call):
-        acc = GradientAccumulator([tf.Variable(tf.zeros([3]))])
-        acc.add([tf.ones([3])])
-        before = state(acc)
-        calls = {
-            "add": lambda: acc.add([tf.ones([3])]),
-            "take": lambda: acc.take()[0],
-            "take_if_ready": lambda: acc.take_if_ready()[0],
-        }
-        with pytest.raises(InvalidArgumentError, match=f"{call}.*deterministic=False"):
-            tf.function(calls[call], jit_compile=True)()
-        assert state(acc) == before
+    @staticmethod
+    def pair() -> tuple[list[tf.Variable], GradientAccumulator, GradientAccumulator]:
+        variables = [tf.Variable(tf.zeros([3, 7])), tf.Variable(tf.zeros([5]))]
+        return variables, GradientAccumulator(variables), GradientAccumulator(variables)
+
+    @staticmethod
+    def assert_same_bits(got, want):
+        for a, b in zip(got, want):
+            assert a.numpy().tobytes() == b.numpy().tobytes()
+
+    @pytest.mark.usefixtures("layout")
+    def test_deterministic_adds_and_takes_give_the_eager_bits(self):
+        """Compiled adds and takes of 1..9 contributions (the buffer growing past its 4
+        blocks, and with "blocks" past the 4 kept by reference) take bitwise what an
+        eager accumulator given the same contributions takes."""
+        _, compiled, eager = self.pair()
+        add = tf.function(lambda g, h: compiled.add([g, h]), jit_compile=True)
+        take = tf.function(lambda: compiled.take(), jit_compile=True)
+        rng = np.random.default_rng(4)
+        for count in (1, 3, 4, 6, 9, 2, 5):
+            for _ in range(count):
+                g = hard_contributions(1, 21, seed=int(rng.integers(1 << 30)))[0]
+                h = hard_contributions(1, 5, seed=int(rng.integers(1 << 30)))[0]
+                add(tf.constant(g.reshape(3, 7)), tf.constant(h))
+                eager.add([tf.constant(g.reshape(3, 7)), tf.constant(h)])
+            assert compiled.count == count
+            self.assert_same_bits(take(), eager.take())
+        assert compiled.statistics() == eager.statistics()
+
+    @pytest.mark.usefixtures("layout")
+    def test_several_adds_in_one_compiled_call_find_room(self):
+        """Six adds in one compiled function (more than the 4 blocks there are): the
+        call grows the buffer first, under the lock, for all six."""
+        _, compiled, eager = self.pair()
+        grads = [hard_contributions(2, 21 + 5, seed=i) for i in range(2)]
+        parts = [(tf.constant(g[:21].reshape(3, 7)), tf.constant(g[21:])) for g in grads[0]]
+        parts += [(tf.constant(g[:21].reshape(3, 7)), tf.constant(g[21:])) for g in grads[1]]
+
+        @tf.function(jit_compile=True)
+        def six_adds_then_take():
+            for k in range(6):
+                compiled.add(list(parts[k % 4]))
+            return compiled.take()
+
+        for k in range(6):
+            eager.add(list(parts[k % 4]))
+        self.assert_same_bits(six_adds_then_take(), eager.take())
+        assert compiled.statistics().taken == 6
+
+    def test_a_compiled_call_inside_a_traced_function_prepares_there(self):
+        """Keras' shape: an outer ``tf.function`` (not compiled) calls the compiled step.
+        The growth runs in the outer function's section, before the call."""
+        _, compiled, eager = self.pair()
+        inner = tf.function(lambda g, h: compiled.add([g, h]), jit_compile=True)
+        outer = tf.function(lambda g, h: [inner(g, h), inner(h[0] + g, h)])
+        rng = np.random.default_rng(8)
+        for _ in range(3):  # 6 pending: past the 4 blocks
+            g = tf.constant(rng.standard_normal((3, 7)).astype(np.float32))
+            h = tf.constant(rng.standard_normal(5).astype(np.float32))
+            outer(g, h)
+            eager.add([g, h])
+            eager.add([h[0] + g, h])
+        assert compiled.count == 6
+        self.assert_same_bits(compiled.take(), eager.take())
+
+    @pytest.mark.usefixtures("layout")
+    def test_threads_calling_a_compiled_add_give_the_same_bits(self):
+        """Four threads each add one of four contributions through one compiled
+        function, six times over: the same bits every time (the sorted sum of four)."""
+        variables, compiled, _ = self.pair()
+        add = tf.function(lambda g, h: compiled.add([g, h]), jit_compile=True)
+        take = tf.function(lambda: compiled.take(), jit_compile=True)
+        grads = [hard_contributions(1, 26, seed=20 + i)[0] for i in range(4)]
+        parts = [(tf.constant(g[:21].reshape(3, 7)), tf.constant(g[21:])) for g in grads]
+        add(*parts[0])
+        compiled.take()
+        results = set()
+        for _ in range(6):
+            run_threads(4, lambda i: add(*parts[i]))
+            assert compiled.count == 4
+            results.add(b"".join(t.numpy().tobytes() for t in take()))
+        assert len(results) == 1
+        assert compiled.statistics().added == 25 and compiled.statistics().taken == 25
 
 
 class TestMirroredStrategy:

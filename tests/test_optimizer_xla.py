@@ -5,8 +5,8 @@ locks and the locks are taken around the compiled call (``safevars.sections``). 
 tests check what users see: ``model.compile(jit_compile=True)`` and a custom compiled step
 train, concurrent compiled steps never interleave (``iterations`` exact, the weights those
 of the serial order the steps took), the ``"raise"`` policies, whose run-time
-assertions XLA drops, are refused instead of silently applied, and so is the exact
-accumulation of ``accumulate_steps`` (its running-sum form trains). On CPU here.
+assertions XLA drops, are refused instead of silently applied, and ``accumulate_steps``
+trains with either accumulation (exact or running sum). On CPU here.
 """
 
 from __future__ import annotations
@@ -161,16 +161,39 @@ def test_accumulate_steps_under_xla_with_a_running_sum_trains_like_without():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_deterministic_accumulation_is_refused_under_xla_and_changes_nothing():
-    """The deterministic accumulator's buffer grows and its take reads a number of rows
-    known only at run time: XLA compiles neither. The compiled step is refused when
-    traced, with the fix in the message, and nothing changes."""
-    v = SafeVariable(INIT)
-    opt = SafeOptimizer(keras.optimizers.SGD(0.1), accumulate_steps=2)
-    opt.build([v])
-    step = tf.function(lambda g: opt.apply_gradients([(g, v)]), jit_compile=True)
-    with pytest.raises(InvalidArgumentError, match="deterministic=False"):
-        step(tf.constant(GRADS[0]))
-    np.testing.assert_array_equal(v.numpy(), INIT)
-    assert v.version == 0 and opt.statistics().calls == 0
-    assert opt.safevars_state.accumulator.statistics().added == 0
+def test_deterministic_accumulation_under_xla_trains_like_without():
+    """accumulate_steps=2 with the exact (deterministic) accumulation inside
+    model.compile(jit_compile=True): two calls per update, the weights of the same model
+    compiled without XLA (XLA's own gradients may differ in the last bits)."""
+    x, y = regression_data()
+    compiled = model(SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2))
+    plain = model(SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2))
+    plain.compile(optimizer=plain.optimizer, loss="mse", jit_compile=False)
+    for m in (compiled, plain):
+        m.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    assert compiled.jit_compile and not plain.jit_compile
+    stats = compiled.optimizer.statistics()
+    assert stats.calls == 8 and int(compiled.optimizer.iterations.numpy()) == 4
+    accumulator = compiled.optimizer.safevars_state.accumulator
+    assert accumulator.statistics().taken == 8 and accumulator.count == 0
+    for a, b in zip(compiled.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_deterministic_accumulation_in_a_compiled_step_takes_the_eager_mean():
+    """A custom compiled step with accumulate_steps=4: after four calls the variable
+    moved by the mean of the four gradients, as the same optimizer used eagerly."""
+    results = []
+    for jit in (True, False):
+        v = SafeVariable(INIT)
+        opt = SafeOptimizer(keras.optimizers.SGD(0.1), accumulate_steps=4)
+        opt.build([v])
+        step = lambda g, opt=opt, v=v: opt.apply_gradients([(g, v)])  # noqa: E731
+        if jit:
+            step = tf.function(step, jit_compile=True)
+        for g in GRADS:
+            step(tf.constant(g))
+        assert int(opt.iterations.numpy()) == 1 and v.version == 1
+        results.append(v.numpy())
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(results[1], INIT - 0.1 * np.mean(GRADS, axis=0), rtol=1e-6)

@@ -22,7 +22,7 @@ from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES
 from safevars.locking import Guard, graph_section, hold
-from safevars.sections import graph_inputs
+from safevars.sections import graph_inputs, record_xla_preparation
 from safevars.staleness import refuse_stale, scale_stale, version_lag
 
 
@@ -193,19 +193,45 @@ class _Commit(_AccumulatorBase):
             self._write_blocks(blocks, pending, offsets)
             return
         pending = self._counters[_PENDING]
+        if tfi.in_xla_context():
+            # XLA cannot change the buffer's shape: the compiled call grows it first, under
+            # the lock, for every contribution the function may add (sections).
+            record_xla_preparation(self, self._prepare_rows, count)
+            self._write_blocks(blocks, pending, offsets)
+            return
         if grown is None:
             grown = self._grow_if_full(count, pending)
         with tf.control_dependencies([grown]):
             self._write_blocks(blocks, pending, offsets)
 
-    def _grow_if_full(self, count: int, pending: tf.Tensor | None = None) -> tf.Tensor:
+    def _prepare_rows(self, count: int) -> tf.Tensor | None:
+        """Grows the buffer if ``count`` more contributions do not fit (lock held): before
+        an XLA-compiled call whose adds may write that many. Eagerly it grows at once;
+        in a graph it returns the growth check's output. With blocks kept by reference
+        the buffer gets at least one block even when they all fit: XLA compiles the
+        write to the buffer whichever block an add takes, and refuses a scatter into an
+        empty one."""
+        minimum = self._layout.chunks if self._references else 0
+        if not tf.executing_eagerly():
+            return self._grow_if_full(count, minimum=minimum)
+        capacity = int(self._rows_shape()[0])
+        needed = max(self._rows_needed(int(self._counters[_PENDING]), count), minimum)
+        if needed > capacity:
+            self._grow(capacity, needed)
+        return None
+
+    def _grow_if_full(
+        self, count: int, pending: tf.Tensor | None = None, minimum: int = 0
+    ) -> tf.Tensor:
         """In a graph: grows the buffer if ``count`` more contributions do not fit (lock
-        held; ``pending``: the pending count, if read already). One ``If`` kernel (see
-        :func:`_keep_as_kernel`); returns its bool output."""
+        held; ``pending``: the pending count, if read already), or to ``minimum`` rows.
+        One ``If`` kernel (see :func:`_keep_as_kernel`); returns its bool output."""
         if pending is None:
             pending = self._counters[_PENDING]
         capacity = self._rows_shape()[0]
         needed = self._rows_needed(pending, count)
+        if minimum:
+            needed = tf.maximum(needed, minimum)
 
         def grow() -> tf.Tensor:
             self._grow(capacity, needed)
@@ -231,6 +257,7 @@ class _Commit(_AccumulatorBase):
         chunks = self._layout.chunks
         references = self._references
         eager = tf.executing_eagerly()
+        xla = not eager and tfi.in_xla_context()
         for pieces, offset in zip(blocks, offsets):
             if references:
                 block = pending + offset if eager else tf.cast(pending, tf.int64) + offset
@@ -240,6 +267,11 @@ class _Commit(_AccumulatorBase):
                 base = (block - references) * chunks
                 if eager and base >= 0:
                     self._scatter(pieces, base)
+                    continue
+                if xla:  # no gathered handle: one branch per block, the last the buffer's
+                    self._helpers.references.write_switch(
+                        block, [piece for _, piece in pieces], lambda: self._scatter(pieces, base)
+                    )
                     continue
                 self._helpers.references.write(block, [piece for _, piece in pieces])
                 if not eager:  # where the block is past the references (else no row)

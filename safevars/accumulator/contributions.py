@@ -28,7 +28,6 @@ from safevars.accumulator.state import (
     _AccumulatorBase,
     _concat,
     _Part,
-    _refuse_xla,
     _Slot,
 )
 from safevars.errors import (
@@ -86,7 +85,6 @@ class _Contributions(_AccumulatorBase):
         committed together, in replica order).
         """
         self._leaves(gradients)  # the structure first: a clean error, nothing changed
-        _refuse_xla(self._deterministic, "add")
         strategy = self._strategy()
         replica = _replica_context()
         if replica is not None:

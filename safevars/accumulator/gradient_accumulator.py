@@ -54,10 +54,14 @@ NOTES:
     first ``take`` for each power of two of pending rows also holds the lock while XLA
     compiles (a fraction of a second).
   * Inside a function compiled with XLA (``jit_compile=True``, Keras' choice on a GPU)
-    only ``deterministic=False`` works: the deterministic buffer grows by taking a new
-    shape and its ``take`` reads a number of rows known at run time, which XLA cannot
-    compile, so ``add``, ``take`` and ``take_if_ready`` are refused there when traced
-    (``InvalidArgumentError`` naming the fix; nothing changes).
+    the lock is taken around the compiled call (:mod:`safevars.sections`). A
+    deterministic accumulator's buffer, whose shape XLA cannot change, grows before the
+    call, under that lock, for every ``add`` the function makes (so a burst of adds in
+    one compiled function reserves room for all of them); a block kept by reference
+    is written through a ``tf.switch_case`` (a copy: XLA takes over no buffer), with at
+    least one buffer block kept for the branch past them; ``take`` reduces every block
+    of the buffer, masked by the pending count, and XLA recompiles the function when
+    the buffer has grown. The bits are those of the same contributions outside XLA.
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
     supported (see "Strategies" in :class:`GradientAccumulator`); under
     ``ParameterServerStrategy`` the accumulator must be created in the strategy's

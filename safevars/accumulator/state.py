@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from safevars import _tf_internal as tfi
 from safevars._tf_internal import gen_resource_variable_ops, resource_variable_ops
 from safevars._validation import short
 from safevars.errors import DTypeMismatchError, InvalidArgumentError
@@ -229,7 +228,8 @@ class _References:
     A traced write picks its block's variable with a gather of their handles (no
     control flow): contributions past the references go to one more set of variables,
     the *sink*, which is never read and keeps the last such piece alive (one block of
-    memory at most, none until a contribution goes past the references).
+    memory at most, none until a contribution goes past the references). XLA compiles
+    no gathered handle: there a ``tf.switch_case`` picks it (:meth:`write_switch`).
 
     Checkpoints keep the row layout: the buffer's checkpoint value is these blocks
     followed by the buffer's rows (:class:`_RowsVariable`), so a checkpoint reads the
@@ -275,6 +275,29 @@ class _References:
             # Where the variables are: the assignment runs where its handle is made.
             with tf.device(self.sink[k].device):
                 self._writer(k)(index, piece)
+
+    def write_switch(
+        self, block: tf.Tensor, pieces: list[tf.Tensor], past: Callable[[], Any]
+    ) -> None:
+        """:meth:`write` inside an XLA-compiled function, which compiles no gathered
+        handle: a ``tf.switch_case`` with a branch assigning each reference block and a
+        last one, ``past()``, for a block past them (it writes the buffer). XLA copies
+        the pieces (no buffer is taken over there)."""
+
+        def keep(j: int) -> Callable[[], tf.Tensor]:
+            def branch() -> tf.Tensor:
+                for variable, piece in zip(self.blocks[j], pieces):
+                    variable.assign(piece, read_value=False)
+                return tf.constant(True)
+
+            return branch
+
+        def beyond() -> tf.Tensor:
+            past()
+            return tf.constant(True)
+
+        index = tf.cast(tf.minimum(block, self.count), tf.int32)
+        tf.switch_case(index, [keep(j) for j in range(self.count)] + [beyond])
 
     def _writer(self, k: int) -> Callable[..., Any]:
         """A function assigning piece ``k`` to the variable of block ``index``.
@@ -328,23 +351,6 @@ class _References:
             shape = gen_resource_variable_ops.variable_shape(v.handle, out_type=tf.int64)
             total += int(np.prod(shape.numpy()))
         return 4 * total
-
-
-def _refuse_xla(deterministic: bool, call: str) -> None:
-    """A deterministic accumulator's ``call`` traced inside an XLA-compiled function:
-    InvalidArgumentError (at trace time, nothing changed). Its buffer grows by
-    reassigning a variable with a new shape, and ``take`` picks the rows it reads by a
-    shape computed at run time; XLA compiles neither (before this check, TensorFlow
-    failed with "Shape of resource ... cannot be changed after initialization")."""
-    if deterministic and not tf.executing_eagerly() and tfi.in_xla_context():
-        raise InvalidArgumentError(
-            f"GradientAccumulator(deterministic=True).{call}() cannot run inside an "
-            "XLA-compiled function (jit_compile=True, which Keras picks on a GPU): its "
-            "buffer grows and its reduction reads a number of rows known only at run "
-            "time. Pass deterministic=False (a float32 running sum, added in arrival "
-            "order; for SafeOptimizer(accumulate_steps=k), SafeOptimizer(..., "
-            "deterministic=False)), or compile with jit_compile=False."
-        )
 
 
 def _concat(tensors: list[tf.Tensor]) -> tf.Tensor:

@@ -14,13 +14,15 @@ from typing import Any
 
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
+from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.replicas import _replica_context
 from safevars.accumulator.reproducible_sum import (
     _MARKER_TABLE,
     _marker_shapes,
     _reproducible_sum,
 )
-from safevars.accumulator.state import _AccumulatorBase, _refuse_xla
+from safevars.accumulator.state import _AccumulatorBase
 from safevars.accumulator.statistics import (
     _DISCARDED,
     _NUM_COUNTERS,
@@ -67,7 +69,6 @@ class _Take(_AccumulatorBase):
         ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
         returns the same result to every replica.
         """
-        _refuse_xla(self._deterministic, "take")
         self._strategy()
         replica = _replica_context()
         if replica is not None:
@@ -103,7 +104,6 @@ class _Take(_AccumulatorBase):
 
         Modes: eager and ``tf.function``; inside ``strategy.run`` as :meth:`take`.
         """
-        _refuse_xla(self._deterministic, "take_if_ready")
         self._strategy()
         replica = _replica_context()
         if replica is not None:
@@ -173,6 +173,12 @@ class _Take(_AccumulatorBase):
         Past :data:`_MARKER_TABLE` pending rows it reads the whole buffer.
         """
         references = self._references
+        if not tf.executing_eagerly() and tfi.in_xla_context():
+            # XLA compiles static shapes: every block of the buffer, whose shape is a
+            # constant of the compiled function (recompiled when the buffer grows).
+            rows = gen_resource_variable_ops.variable_shape(self._state.handle, out_type=tf.int64)
+            marker = tf.zeros(tf.stack([rows[0] // self._layout.chunks, 0]), tf.float32)
+            return self._helpers.reduce(marker, tf.cast(pending, tf.int64))
         if isinstance(pending, tf.Tensor) and tf.get_static_value(pending) is None:
             pending = tf.cast(pending, tf.int64)
             buffered = tf.maximum(pending - references, 0)
