@@ -1261,10 +1261,11 @@ class TestBadInput:
 class TestXla:
     """Inside ``tf.function(jit_compile=True)`` (Keras' default on a GPU). XLA compiles no
     mutex (the lock is taken around the compiled call), no change of a variable's shape,
-    no gathered handle: the deterministic buffer grows before the compiled call, for
-    every add the function makes (``sections.record_xla_preparation``), a block kept by
-    reference is picked by a ``tf.switch_case``, and ``take`` reduces every block of
-    the buffer, masked by the pending count."""
+    no gathered handle and no assertion: the deterministic buffer grows before the
+    compiled call, for every add the function makes (``sections.record_xla_preparation``),
+    a block kept by reference is picked by a ``tf.switch_case``, ``take`` reduces every
+    block of the buffer, masked by the pending count, and a ``take`` that would need an
+    assertion is refused."""
 
     def test_a_running_sum_adds_and_takes_under_xla(self):
         acc = GradientAccumulator(
@@ -1276,6 +1277,22 @@ class TestXla:
         np.testing.assert_array_equal(got[2][1][0], [1.0, 1.0, 1.0])  # 0 + 1
         np.testing.assert_array_equal(got[4][1][0], [5.0, 5.0, 5.0])  # 2 + 3
         assert acc.count == 1 and acc.statistics().added == 5
+
+    @pytest.mark.parametrize("deterministic", [True, False])
+    def test_take_with_num_required_is_refused_under_xla(self, deterministic):
+        """XLA drops the run-time check that num_required are pending ("Ignoring
+        Assert operator"): a compiled take() went ahead with 1 of 3. Refused when
+        traced, naming take_if_ready; nothing changes."""
+        acc = GradientAccumulator(
+            [tf.Variable(tf.zeros([3]))], deterministic=deterministic, num_required=3
+        )
+        acc.add([tf.ones([3])])
+        before = state(acc)
+        with pytest.raises(InvalidArgumentError, match="take_if_ready"):
+            tf.function(lambda: acc.take()[0], jit_compile=True)()
+        assert state(acc) == before
+        ready = tf.function(lambda: acc.take_if_ready()[0], jit_compile=True)()
+        assert not bool(ready) and acc.count == 1
 
     @staticmethod
     def pair() -> tuple[list[tf.Variable], GradientAccumulator, GradientAccumulator]:

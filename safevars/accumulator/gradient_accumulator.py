@@ -62,6 +62,8 @@ NOTES:
     least one buffer block kept for the branch past them; ``take`` reduces every block
     of the buffer, masked by the pending count, and XLA recompiles the function when
     the buffer has grown. The bits are those of the same contributions outside XLA.
+    A traced ``take`` with ``num_required`` checks the pending count with a run-time
+    assertion, which XLA drops: it is refused there (use ``take_if_ready``).
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
     supported (see "Strategies" in :class:`GradientAccumulator`); under
     ``ParameterServerStrategy`` the accumulator must be created in the strategy's

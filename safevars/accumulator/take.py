@@ -30,7 +30,7 @@ from safevars.accumulator.statistics import (
     _TAKEN,
     _TAKES,
 )
-from safevars.errors import AccumulatorTimeoutError, assertion_text
+from safevars.errors import AccumulatorTimeoutError, InvalidArgumentError, assertion_text
 from safevars.locking import graph_section, hold
 
 _POLL_SECONDS = 0.05
@@ -66,9 +66,21 @@ class _Take(_AccumulatorBase):
         by running graphs). Inside a ``tf.function`` it does not wait: with fewer than
         ``num_required`` pending it fails at run time (``tf.errors.InvalidArgumentError``
         naming AccumulatorTimeoutError) and keeps them; use :meth:`take_if_ready` with
-        ``tf.cond`` instead. Inside ``strategy.run`` one replica-synchronous take
-        returns the same result to every replica.
+        ``tf.cond`` instead. Inside an XLA-compiled function, which drops that
+        run-time check, a ``take`` with ``num_required`` is refused when traced
+        (:class:`~safevars.InvalidArgumentError` naming :meth:`take_if_ready`; nothing
+        changes). Inside ``strategy.run`` one replica-synchronous take returns the same
+        result to every replica.
         """
+        if self._num_required and not tf.executing_eagerly() and tfi.in_xla_context():
+            # The check that enough are pending is a run-time assertion, which XLA drops
+            # ("Ignoring Assert operator"): the take would go ahead with fewer.
+            raise InvalidArgumentError(
+                f"take() with num_required={self._num_required} cannot run inside an "
+                "XLA-compiled function (jit_compile=True): XLA drops the run-time check "
+                "that enough contributions are pending, and the take would go ahead with "
+                "fewer. Use take_if_ready() (with tf.cond on its flag), or num_required=0."
+            )
         self._strategy()
         replica = _replica_context()
         if replica is not None:
