@@ -214,8 +214,10 @@ class _Commit(_AccumulatorBase):
         minimum = self._layout.chunks if self._references else 0
         if not tf.executing_eagerly():
             return self._grow_if_full(count, minimum=minimum)
-        capacity = int(self._rows_shape()[0])
-        needed = max(self._rows_needed(int(self._counters[_PENDING]), count), minimum)
+        # Two eager ops (no slicing op on either): this runs before every eager call.
+        capacity = int(self._rows_shape().numpy()[0])
+        pending = int(self._counters.numpy()[_PENDING])
+        needed = max(self._rows_needed(pending, count), minimum)
         if needed > capacity:
             self._grow(capacity, needed)
         return None
