@@ -139,37 +139,24 @@ def test_raise_policies_are_refused_under_xla_and_change_nothing(policy):
     assert v.version == 0 and opt.statistics().calls == 0
 
 
-def test_accumulate_steps_under_xla_with_a_running_sum_trains_like_without():
-    """accumulate_steps=2 with deterministic=False (a running sum) inside
-    model.compile(jit_compile=True): two calls per update, the same weights as the same
-    model compiled without XLA (the sum of two float32 values does not depend on their
-    order)."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_accumulate_steps_under_xla_trains_like_without(deterministic):
+    """accumulate_steps=2 inside model.compile(jit_compile=True), with the exact
+    accumulation or a running sum: two calls per update, nothing left pending, the
+    weights of the same model compiled without XLA (XLA's own gradients may differ in the
+    last bits)."""
     x, y = regression_data()
-    compiled = model(
-        SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2, deterministic=False)
-    )
-    plain = model(
-        SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2, deterministic=False)
-    )
+    models = [
+        model(
+            SafeOptimizer(
+                keras.optimizers.SGD(0.05), accumulate_steps=2, deterministic=deterministic
+            )
+        )
+        for _ in range(2)
+    ]
+    compiled, plain = models
     plain.compile(optimizer=plain.optimizer, loss="mse", jit_compile=False)
-    for m in (compiled, plain):
-        m.fit(x, y, epochs=2, batch_size=32, verbose=0)
-    assert compiled.jit_compile and not plain.jit_compile
-    stats = compiled.optimizer.statistics()
-    assert stats.calls == 8 and int(compiled.optimizer.iterations.numpy()) == 4
-    for a, b in zip(compiled.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_deterministic_accumulation_under_xla_trains_like_without():
-    """accumulate_steps=2 with the exact (deterministic) accumulation inside
-    model.compile(jit_compile=True): two calls per update, the weights of the same model
-    compiled without XLA (XLA's own gradients may differ in the last bits)."""
-    x, y = regression_data()
-    compiled = model(SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2))
-    plain = model(SafeOptimizer(keras.optimizers.SGD(0.05), accumulate_steps=2))
-    plain.compile(optimizer=plain.optimizer, loss="mse", jit_compile=False)
-    for m in (compiled, plain):
+    for m in models:
         m.fit(x, y, epochs=2, batch_size=32, verbose=0)
     assert compiled.jit_compile and not plain.jit_compile
     stats = compiled.optimizer.statistics()
