@@ -34,6 +34,7 @@ from tensorflow.python.framework import ops, tensor_conversion_registry
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import (
     control_flow_util,
+    control_flow_v2_func_graphs,
     critical_section_ops,
     gen_resource_variable_ops,
     gen_stateful_random_ops,
@@ -147,6 +148,7 @@ __all__ = [
     "gen_stateful_random_ops",
     "gen_stateless_random_ops_v2",
     "in_xla_context",
+    "is_loop_body",
     "keras_internal",
     "mutex_lock",
     "nest",
@@ -182,6 +184,11 @@ def eager_context() -> Any:
 def in_xla_context(graph=None) -> bool:
     """Whether ops built now go into an XLA-compiled function (``jit_compile=True``)."""
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())
+
+
+def is_loop_body(graph) -> bool:
+    """Whether ``graph`` is the body of a ``tf.while_loop`` (AutoGraph loops included)."""
+    return isinstance(graph, control_flow_v2_func_graphs.WhileBodyFuncGraph)
 
 
 def captured_placeholder(graph, tensor_id):

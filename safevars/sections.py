@@ -30,7 +30,7 @@ from safevars import _tf_internal as tfi
 from safevars import lock_coarsening as coarsening
 from safevars import locking
 from safevars.distribute import on_parameter_server
-from safevars.errors import LockOrderError, UnsupportedStrategyError
+from safevars.errors import InvalidArgumentError, LockOrderError, UnsupportedStrategyError
 from safevars.locking import Guard, SectionLock, sorted_locks
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
 
 _XLA_LOCKS = "_safevars_xla_locks"  # FuncGraph attribute: locks its compiled call needs.
 # FuncGraph attribute: what its compiled call prepares under those locks before it runs,
-# {key: [prepare, amount]} (see record_xla_preparation).
+# {key: [prepare, amount, what]} (see record_xla_preparation).
 _XLA_PREPARATIONS = "_safevars_xla_preparations"
 
 
@@ -430,7 +430,9 @@ def _record_xla_locks(graph: Any, locks: Sequence[SectionLock]) -> None:
         recorded.update(locks)
 
 
-def record_xla_preparation(key: Any, prepare: Callable[[int], Any], amount: int) -> None:
+def record_xla_preparation(
+    key: Any, prepare: Callable[[int], Any], amount: int, what: str
+) -> None:
     """Inside an XLA-compiled function being traced: ``prepare(total)`` is to run before
     every call of it, under the locks the call takes, with ``total`` the sum of the
     ``amount`` recorded for ``key`` (by this function and the compiled functions it
@@ -440,13 +442,29 @@ def record_xla_preparation(key: Any, prepare: Callable[[int], Any], amount: int)
     buffer grows there, before the compiled ``add`` that needs the rows. ``prepare``
     runs eagerly when the compiled function is called eagerly, and in the calling
     graph's section (its ops are returned; the call waits for them) otherwise.
+
+    Raises:
+      InvalidArgumentError: ``what`` (the call being traced) is inside a
+        ``tf.while_loop`` of the compiled function: it runs a number of times known
+        only when the loop does, so nothing can be prepared for it (XLA would drop the
+        writes that do not fit). Nothing is recorded.
     """
-    for g in _xla_graphs(tfi.default_graph()):
+    graphs = list(_xla_graphs(tfi.default_graph()))
+    if any(tfi.is_loop_body(g) for g in graphs):
+        raise InvalidArgumentError(
+            f"{what} inside a loop (tf.while_loop, an AutoGraph loop, tf.map_fn) of an "
+            "XLA-compiled function (jit_compile=True) is not supported: XLA cannot grow "
+            "its storage during the call, and how many times the loop runs is known only "
+            "when it does. Call the compiled function from the loop instead of looping "
+            "inside it, or compile without XLA (jit_compile=False), or use "
+            "deterministic=False."
+        )
+    for g in graphs:
         recorded = getattr(g, _XLA_PREPARATIONS, None)
         if recorded is None:
             recorded = {}
             setattr(g, _XLA_PREPARATIONS, recorded)
-        entry = recorded.setdefault(key, [prepare, 0])
+        entry = recorded.setdefault(key, [prepare, 0, what])
         entry[1] += amount
 
 
@@ -458,7 +476,7 @@ def _preparations_of(function: Any) -> dict[Any, list[Any]]:
 def _prepare(preparations: dict[Any, list[Any]]) -> list[Any]:
     """Runs the preparations of a compiled call (locks held); their ops in a graph."""
     ops = []
-    for prepare, total in preparations.values():
+    for prepare, total, _ in preparations.values():
         done = prepare(total)
         if done is not None and not tf.executing_eagerly():
             ops.append(done)
@@ -489,8 +507,8 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
         # only if the graphs around the calling one are XLA contexts too.
         if tfi.in_xla_context(getattr(graph, "outer_graph", None) or graph):
             _record_xla_locks(graph, locks)
-            for key, (prepare, amount) in preparations.items():
-                record_xla_preparation(key, prepare, amount)
+            for key, (prepare, amount, what) in preparations.items():
+                record_xla_preparation(key, prepare, amount, what)
             return original(self, tensor_inputs, captured_inputs)
 
         def prepared_call() -> Any:

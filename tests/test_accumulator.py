@@ -1294,6 +1294,29 @@ class TestXla:
         ready = tf.function(lambda: acc.take_if_ready()[0], jit_compile=True)()
         assert not bool(ready) and acc.count == 1
 
+    @pytest.mark.parametrize("nested", [False, True])
+    def test_deterministic_adds_in_a_compiled_loop_are_refused(self, nested):
+        """A loop inside the compiled function adds a number of times known only when it
+        runs, so the buffer cannot grow for it first (measured before the check: 6 adds
+        in two calls of a 3-iteration loop, pending 6, and a sum of 4 of them, XLA
+        dropping the writes past the buffer). Refused when traced, directly or through
+        a compiled function called in the loop; nothing changes."""
+        v = tf.Variable(tf.zeros([5]))
+        acc = GradientAccumulator([v], reduction="sum")
+        acc.add([tf.ones([5])])
+        before = state(acc)
+        add = tf.function(lambda g: acc.add([g]), jit_compile=True)
+
+        def body(i):
+            g = tf.fill([5], tf.cast(i, tf.float32))
+            with tf.control_dependencies([add(g) if nested else acc.add([g])]):
+                return i + 1
+
+        loop = tf.function(lambda: tf.while_loop(lambda i: i < 3, body, [0]), jit_compile=True)
+        with pytest.raises(InvalidArgumentError, match="inside a loop.*XLA"):
+            loop()
+        assert state(acc) == before
+
     @staticmethod
     def pair() -> tuple[list[tf.Variable], GradientAccumulator, GradientAccumulator]:
         variables = [tf.Variable(tf.zeros([3, 7])), tf.Variable(tf.zeros([5]))]

@@ -196,7 +196,9 @@ class _Commit(_AccumulatorBase):
         if tfi.in_xla_context():
             # XLA cannot change the buffer's shape: the compiled call grows it first, under
             # the lock, for every contribution the function may add (sections).
-            record_xla_preparation(self, self._prepare_rows, count)
+            record_xla_preparation(
+                self, self._prepare_rows, count, "GradientAccumulator(deterministic=True).add()"
+            )
             self._write_blocks(blocks, pending, offsets)
             return
         if grown is None:

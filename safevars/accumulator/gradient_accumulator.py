@@ -62,6 +62,10 @@ NOTES:
     least one buffer block kept for the branch past them; ``take`` reduces every block
     of the buffer, masked by the pending count, and XLA recompiles the function when
     the buffer has grown. The bits are those of the same contributions outside XLA.
+    An ``add`` inside a loop of the compiled function (``tf.while_loop``, AutoGraph
+    loops, ``tf.map_fn``) is refused when traced: how many times it runs is known
+    only when the loop does, so no room can be made for it first (call the compiled
+    step from the loop instead).
     A traced ``take`` with ``num_required`` checks the pending count with a run-time
     assertion, which XLA drops: it is refused there (use ``take_if_ready``).
   * Under ``tf.distribute`` only the strategies of :mod:`safevars.distribute` are
