@@ -1347,6 +1347,38 @@ class TestXla:
         assert compiled.statistics() == eager.statistics()
 
     @pytest.mark.usefixtures("layout")
+    @pytest.mark.parametrize("kind", ["skipped_nan", "float16", "sparse"])
+    def test_compiled_adds_of_every_kind_give_the_eager_bits(self, kind):
+        """Contributions refused at run time (NaN with nonfinite="skip": the accepted
+        ones are written first), float16 variables and sparse gradients: compiled adds
+        of six, past the 4 blocks, take bitwise what an eager accumulator takes, with
+        the same statistics."""
+        rng = np.random.default_rng(3)
+        dense = tf.Variable(tf.zeros([4, 5], tf.float16 if kind == "float16" else tf.float32))
+        table, bias = tf.Variable(tf.zeros([10, 5])), tf.Variable(tf.zeros([3]))
+        variables = [table, bias] if kind == "sparse" else [dense, bias]
+        options = {"nonfinite": "skip"} if kind == "skipped_nan" else {}
+        compiled, eager = (GradientAccumulator(variables, **options) for _ in range(2))
+        add = tf.function(lambda g, h: compiled.add([g, h]), jit_compile=True)
+        for k in range(6):
+            if kind == "sparse":
+                values = rng.standard_normal((3, 5)).astype(np.float32)
+                first = tf.IndexedSlices(
+                    tf.constant(values), tf.constant(rng.integers(0, 10, 3)), tf.constant([10, 5])
+                )
+            else:
+                values = rng.standard_normal((4, 5)).astype(np.float32)
+                if kind == "skipped_nan" and k in (1, 4):
+                    values[0, 0] = np.nan
+                first = tf.cast(tf.constant(values), dense.dtype)
+            second = tf.constant(rng.standard_normal(3).astype(np.float32))
+            add(first, second)
+            eager.add([first, second])
+        assert compiled.statistics() == eager.statistics()
+        assert compiled.statistics().rejected == (2 if kind == "skipped_nan" else 0)
+        self.assert_same_bits(tf.function(compiled.take, jit_compile=True)(), eager.take())
+
+    @pytest.mark.usefixtures("layout")
     def test_several_adds_in_one_compiled_call_find_room(self):
         """Six adds in one compiled function (more than the 4 blocks there are): the
         call grows the buffer first, under the lock, for all six."""
