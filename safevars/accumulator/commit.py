@@ -185,12 +185,7 @@ class _Commit(_AccumulatorBase):
             where = tf.cast(tf.math.invert_permutation(order), tf.int64)
             offsets = [where[k] for k in range(count)]
         if tf.executing_eagerly():
-            pending = int(self._counters[_PENDING])
-            capacity = int(self._rows_shape()[0])
-            needed = self._rows_needed(pending, count)
-            if needed > capacity:
-                self._grow(capacity, needed)
-            self._write_blocks(blocks, pending, offsets)
+            self._write_blocks(blocks, self._grow_eagerly(count), offsets)
             return
         pending = self._counters[_PENDING]
         if tfi.in_xla_context():
@@ -216,13 +211,19 @@ class _Commit(_AccumulatorBase):
         minimum = self._layout.chunks if self._references else 0
         if not tf.executing_eagerly():
             return self._grow_if_full(count, minimum=minimum)
-        # Two eager ops (no slicing op on either): this runs before every eager call.
+        self._grow_eagerly(count, minimum)
+        return None
+
+    def _grow_eagerly(self, count: int, minimum: int = 0) -> int:
+        """Eagerly: grows the buffer if ``count`` more contributions do not fit (lock
+        held), or to ``minimum`` rows; returns the pending count. Two eager ops, no
+        slicing op: it runs at every eager add, and before every eager compiled call."""
         capacity = int(self._rows_shape().numpy()[0])
         pending = int(self._counters.numpy()[_PENDING])
         needed = max(self._rows_needed(pending, count), minimum)
         if needed > capacity:
             self._grow(capacity, needed)
-        return None
+        return pending
 
     def _grow_if_full(
         self, count: int, pending: tf.Tensor | None = None, minimum: int = 0

@@ -23,13 +23,7 @@ from safevars.accumulator.replicas import (
     _replica_context,
     _spans_workers,
 )
-from safevars.accumulator.state import (
-    _NARROW_FLOATS,
-    _AccumulatorBase,
-    _concat,
-    _Part,
-    _Slot,
-)
+from safevars.accumulator.state import _NARROW_FLOATS, _AccumulatorBase, _concat, _Part, _Slot
 from safevars.errors import (
     DTypeMismatchError,
     InvalidArgumentError,

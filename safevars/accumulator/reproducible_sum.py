@@ -143,8 +143,6 @@ def _sorted_sum(values: Sequence[tf.Tensor], count: tf.Tensor) -> tf.Tensor:
     """
     minus_zero = tf.constant(-0.0, tf.float64)
     xs = [tf.where(j < count, tf.cast(x, tf.float64), minus_zero) for j, x in enumerate(values)]
-    if len(xs) == 1:
-        return xs[0]
     plain = functools.reduce(tf.add, xs)  # finite exactly when every value is
     for i, j in _NETWORK:
         xs[i], xs[j] = tf.minimum(xs[i], xs[j]), tf.maximum(xs[i], xs[j])

@@ -267,8 +267,7 @@ class _References:
         held): eagerly one of the references; in a graph any block, and the pieces of
         one past the references go to the sink."""
         if isinstance(block, int):
-            for variable, piece in zip(self.blocks[block], pieces):
-                variable.assign(piece, read_value=False)
+            self._keep(block, pieces)
             return
         index = tf.minimum(block, self.count)
         for k, piece in enumerate(pieces):
@@ -286,8 +285,7 @@ class _References:
 
         def keep(j: int) -> Callable[[], tf.Tensor]:
             def branch() -> tf.Tensor:
-                for variable, piece in zip(self.blocks[j], pieces):
-                    variable.assign(piece, read_value=False)
+                self._keep(j, pieces)
                 return tf.constant(True)
 
             return branch
@@ -298,6 +296,11 @@ class _References:
 
         index = tf.cast(tf.minimum(block, self.count), tf.int32)
         tf.switch_case(index, [keep(j) for j in range(self.count)] + [beyond])
+
+    def _keep(self, j: int, pieces: list[tf.Tensor]) -> None:
+        """Assigns ``pieces`` to the variables of reference block ``j``."""
+        for variable, piece in zip(self.blocks[j], pieces):
+            variable.assign(piece, read_value=False)
 
     def _writer(self, k: int) -> Callable[..., Any]:
         """A function assigning piece ``k`` to the variable of block ``index``.
