@@ -166,14 +166,17 @@ def shard_stream(
         slots = tf.data.Dataset.from_tensor_slices(layout.epoch_slots(shard, epoch, begin, length))
         if elements.vectorized:
             # One gather per batch (or chunk, unbatched again): no function call per element.
-            out = slots.batch(batch_size or _CHUNK).map(
-                lambda s: (
-                    _finish(elements, elements.lookup_one(s["id"]), s["weight"]),
-                    s["receipt"],
-                ),
-                **parallel,
-            )
-            return out if batch_size is not None else out.unbatch()
+            def gather(s: dict[str, tf.Tensor]) -> Any:
+                return _finish(elements, elements.lookup_one(s["id"]), s["weight"]), s["receipt"]
+
+            if batch_size is not None:
+                return slots.batch(batch_size).map(gather, **parallel)
+            # Chunks are gathered one after the other: one gather per 256 elements, run
+            # ahead of the consumer by the prefetch after the stream. Parallel calls only
+            # added threads: on 2 cores the single-element pipeline took 1.044x the plain
+            # shard().shuffle() with them, 1.013x without (3 pipelines each, 40 rotated
+            # rounds, one process, 2026-11-27).
+            return slots.batch(_CHUNK).map(gather).unbatch()
 
         def one(s: dict[str, tf.Tensor]) -> Any:
             element = elements.lookup_one(s["id"])
