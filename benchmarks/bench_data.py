@@ -105,7 +105,7 @@ class _Pipeline:
         return self._read()
 
     def close(self) -> None:
-        self._read = None  # the reader, its function and iterator: the threads end
+        self._read = None  # the reader, its function and iterator: their threads end
         gc.collect()
 
 

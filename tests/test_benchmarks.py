@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -890,6 +891,18 @@ def test_missing_matplotlib_skips_plots_without_crashing(monkeypatch, tmp_path):
     assert plots.write_plots(document, tmp_path, progress) == []
     assert "matplotlib is not available" in progress.getvalue()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_data_pipelines_live_from_their_first_call_to_the_case_teardown():
+    # A live pipeline runs threads of its own: none may run while another case is timed.
+    (batched, elements) = bench_data.cases(devices.make_context(CPU, quick=True))
+    for case in (batched, elements):
+        pipelines = list(case.variants.values())
+        assert all(p._read is None for p in pipelines)  # nothing built with the case
+        assert all(math.isfinite(p()) for p in pipelines)  # a sum of features
+        assert all(p._read is not None for p in pipelines)
+        case.teardown()
+        assert all(p._read is None for p in pipelines)
 
 
 def test_format_seconds():
