@@ -6,11 +6,16 @@ processes of its own on 127.0.0.1; each script prints one JSON line as its resul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+
+import portpicker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,41 +32,105 @@ def last_json_line(text: str) -> dict:
     return json.loads(lines[-1])
 
 
+# What a process prints when its server cannot bind its port: another process took the
+# port between portpicker finding it free and the server binding it.
+_PORT_TAKEN = ("Could not start gRPC server", "Address already in use")
+PORT_ATTEMPTS = 3
+# Seconds the other processes get to end on their own once one has failed (a script
+# with --dump-after prints its stacks then); after that they are killed.
+_GRACE = 5.0
+
+
+def _run_all(
+    commands: list[list[str]], timeout: float, dump_after: bool
+) -> list[tuple[int | None, str, str]]:
+    """Starts every command at once; returns ``(returncode, stdout, stderr)`` of each,
+    ``returncode`` None for a process killed at the deadline or after another failed."""
+    if dump_after:
+        commands = [c + ["--dump-after", str(max(1.0, timeout - 10.0))] for c in commands]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
+        # Files, not pipes: the processes are polled together, none is read until all end.
+        outs = [
+            files.enter_context(open(os.path.join(tmp, f"{i}.out"), "w+"))
+            for i in range(len(commands))
+        ]
+        errs = [
+            files.enter_context(open(os.path.join(tmp, f"{i}.err"), "w+"))
+            for i in range(len(commands))
+        ]
+        procs = [
+            subprocess.Popen([sys.executable, *c], stdout=o, stderr=e, text=True, env=env)
+            for c, o, e in zip(commands, outs, errs)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.returncode not in (None, 0) for p in procs):
+                    # The others would wait for the failed one on their collectives.
+                    deadline = min(deadline, time.monotonic() + _GRACE)
+                time.sleep(0.05)
+        finally:
+            codes = [p.poll() for p in procs]
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        texts = []
+        for o, e in zip(outs, errs):
+            o.seek(0)
+            e.seek(0)
+            texts.append((o.read(), e.read()))
+    return [(code, out, err) for code, (out, err) in zip(codes, texts)]
+
+
+def _results(
+    commands: list[list[str]], runs: list[tuple[int | None, str, str]], timeout: float
+) -> list[dict]:
+    for command, (code, _, err) in zip(commands, runs):
+        what = f"did not end within {timeout} s" if code is None else f"failed ({code})"
+        assert code == 0, f"{command[0]} {what}:\n{err[-5000:]}"
+    return [last_json_line(out) for _, out, _ in runs]
+
+
 def run_together(
     commands: list[list[str]], timeout: float, *, dump_after: bool = False
 ) -> list[dict]:
     """Starts every command at once with this Python; returns their JSON results in order.
 
     Fails if any process exits non-zero or the group is not done within ``timeout``
-    seconds; every process still running then is killed (a worker whose peer died
-    waits forever on its collectives). With ``dump_after``, each command gets
-    ``--dump-after T`` (10 s before the deadline): a script that supports it prints
-    its threads' stacks and exits, so a hang shows where it hangs.
+    seconds; every process still running then is killed, and once one process failed
+    the others are killed 5 s later (a worker whose peer died waits forever on its
+    collectives). With ``dump_after``, each command gets ``--dump-after T`` (10 s
+    before the deadline): a script that supports it prints its threads' stacks and
+    exits, so a hang shows where it hangs.
     """
-    if dump_after:
-        commands = [c + ["--dump-after", str(max(1.0, timeout - 10.0))] for c in commands]
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+    return _results(commands, _run_all(commands, timeout, dump_after), timeout)
+
+
+def run_on_ports(
+    count: int,
+    commands: Callable[[str], list[list[str]]],
+    timeout: float,
+    *,
+    dump_after: bool = False,
+) -> list[dict]:
+    """:func:`run_together` of ``commands(ports)``, ``ports`` ``count`` free 127.0.0.1
+    ports joined by commas (a MultiWorkerMirroredStrategy cluster's ``TF_CONFIG``).
+
+    A port found free can be taken by another process before a server binds it (tests
+    running in parallel start clusters at the same time): when a process fails for
+    that, the whole group runs again on new ports, up to ``PORT_ATTEMPTS`` times.
+    """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(count))
+        group = commands(ports)
+        runs = _run_all(group, timeout, dump_after)
+        taken = any(
+            code not in (0, None) and any(text in err for text in _PORT_TAKEN)
+            for code, _, err in runs
         )
-        for command in commands
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for command, proc in zip(commands, procs):
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert proc.returncode == 0, f"{command[0]} failed:\n{err[-5000:]}"
-            results.append(last_json_line(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+        if not taken or attempt == PORT_ATTEMPTS:
+            return _results(group, runs, timeout)
+    raise AssertionError("unreachable")

@@ -12,10 +12,9 @@ MirroredStrategy is covered in test_accumulator.py.
 from __future__ import annotations
 
 import numpy as np
-import portpicker
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, script
 from distributed.accumulator_ps import counted_contributions, hard_contributions
 from distributed.script_common import hexes
 
@@ -51,21 +50,24 @@ def clusters(request) -> dict:
         str(PS_ROUNDS),
         *blocks,
     ]
-    ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-    mwms = [
-        [
-            script("accumulator_mwms.py"),
-            str(i),
-            ports,
-            "--seed",
-            str(SEED),
-            "--steps",
-            str(MWMS_STEPS),
-            *blocks,
+
+    def commands(ports: str) -> list[list[str]]:
+        mwms = [
+            [
+                script("accumulator_mwms.py"),
+                str(i),
+                ports,
+                "--seed",
+                str(SEED),
+                "--steps",
+                str(MWMS_STEPS),
+                *blocks,
+            ]
+            for i in range(MWMS_WORKERS)
         ]
-        for i in range(MWMS_WORKERS)
-    ]
-    results = run_together([ps] + mwms, CLUSTER_TIMEOUT, dump_after=True)
+        return [ps] + mwms
+
+    results = run_on_ports(MWMS_WORKERS, commands, CLUSTER_TIMEOUT, dump_after=True)
     return {"ps": results[0], "mwms": results[1:]}
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import collections
 import functools
 
-import portpicker
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, script
 
 from safevars.data import ShardedInput
 
@@ -31,21 +30,23 @@ TIMEOUT = 150.0  # Seconds for both clusters together; a bound on a hang, not a 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("data_clusters")
-    ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-    mwms = [
-        [
-            script("data_mwms.py"),
-            str(i),
-            ports,
-            "--seed",
-            str(SEED),
-            "--other-seed",
-            str(OTHER_SEED),
-            "--out",
-            str(out / "mwms"),
+
+    def mwms(ports: str) -> list[list[str]]:
+        return [
+            [
+                script("data_mwms.py"),
+                str(i),
+                ports,
+                "--seed",
+                str(SEED),
+                "--other-seed",
+                str(OTHER_SEED),
+                "--out",
+                str(out / "mwms"),
+            ]
+            for i in range(MWMS_WORKERS)
         ]
-        for i in range(MWMS_WORKERS)
-    ]
+
     ps = [
         script("data_ps.py"),
         "--seed",
@@ -59,7 +60,7 @@ def runs(tmp_path_factory) -> dict:
         "--batch",
         str(PS_BATCH),
     ]
-    *workers, ps_result = run_together(mwms + [ps], TIMEOUT)
+    *workers, ps_result = run_on_ports(MWMS_WORKERS, lambda ports: mwms(ports) + [ps], TIMEOUT)
     return {"mwms": workers, "ps": ps_result}
 
 

@@ -8,10 +8,9 @@ MirroredStrategy runs in-process over two logical CPUs. ParameterServerStrategy 
 from __future__ import annotations
 
 import numpy as np
-import portpicker
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, run_together, script
 from threading_harness import run_threads
 
 import safevars
@@ -132,9 +131,11 @@ def test_parameter_server_cluster_loses_nothing():
 
 
 def test_multi_worker_mirrored_two_processes():
-    ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(2))
-    results = run_together(
-        [[script("mwms_worker.py"), str(i), ports, "--steps", "10"] for i in range(2)],
+    results = run_on_ports(
+        2,
+        lambda ports: [
+            [script("mwms_worker.py"), str(i), ports, "--steps", "10"] for i in range(2)
+        ],
         SUBPROCESS_TIMEOUT,
     )
     for result in results:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import portpicker
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, run_together, script
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
@@ -53,9 +52,11 @@ def ps() -> dict:
 def mwms() -> list[dict]:
     """One run of a 2-process MultiWorkerMirroredStrategy cluster: each worker's result."""
     path = script("optimizer_mwms.py")
-    ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
-    return run_together(
-        [[path, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)],
+    return run_on_ports(
+        MWMS_WORKERS,
+        lambda ports: [
+            [path, str(i), ports, "--steps", str(MWMS_STEPS)] for i in range(MWMS_WORKERS)
+        ],
         CLUSTER_TIMEOUT,
     )
 

@@ -10,10 +10,9 @@ documented key with an eager ``ReplicaRNG`` and compares bitwise.
 
 from __future__ import annotations
 
-import portpicker
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, run_together, script
 from distributed.script_common import hexes
 
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
@@ -50,10 +49,10 @@ def mwms_runs() -> list[list[dict]]:
     path = script("rng_mwms.py")
     runs = []
     for _ in range(2):
-        ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(MWMS_WORKERS))
         runs.append(
-            run_together(
-                [
+            run_on_ports(
+                MWMS_WORKERS,
+                lambda ports: [
                     [path, str(i), ports, "--seed", str(SEED), "--steps", str(MWMS_STEPS)]
                     for i in range(MWMS_WORKERS)
                 ],

@@ -10,9 +10,8 @@ is covered in-process by ``test_scope.py``.
 
 from __future__ import annotations
 
-import portpicker
 import pytest
-from cluster_harness import run_together, script
+from cluster_harness import run_on_ports, run_together, script
 
 WORKERS, STEPS = 2, 6
 PS_WORKERS, PS_STEPS = 3, 60
@@ -21,9 +20,11 @@ CLUSTER_TIMEOUT = 120.0
 
 @pytest.fixture(scope="module")
 def workers() -> list[dict]:
-    ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(WORKERS))
-    return run_together(
-        [[script("scope_mwms.py"), str(i), ports, "--steps", str(STEPS)] for i in range(WORKERS)],
+    return run_on_ports(
+        WORKERS,
+        lambda ports: [
+            [script("scope_mwms.py"), str(i), ports, "--steps", str(STEPS)] for i in range(WORKERS)
+        ],
         CLUSTER_TIMEOUT,
     )
 
