@@ -102,6 +102,7 @@ from safevars.accumulator.take import _Take
 from safevars.distribute import check_strategy, on_parameter_server
 from safevars.errors import DTypeMismatchError, InvalidArgumentError
 from safevars.locking import Guard, check_timeout, graph_section, hold, protect
+from safevars.locking.saved_model import saved_guards
 from safevars.staleness import check_stale_policy
 
 __all__ = ["GradientAccumulator"]
@@ -328,6 +329,14 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                     tf.TensorSpec([], tf.int64),
                 ],
             )
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
+        """For ``tf.saved_model.save`` also the version and lock its traced adds and
+        takes capture (:func:`safevars.locking.saved_model.saved_guards`)."""
+        children = dict(super()._trackable_children(save_type, **kwargs))
+        if save_type == "savedmodel":
+            children["safevars"] = saved_guards([self._guard])
+        return children
 
     # ------------------------------------------------------------------ properties
 

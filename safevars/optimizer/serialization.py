@@ -22,6 +22,7 @@ import keras
 
 from safevars._tf_internal import keras_internal
 from safevars.errors import InvalidArgumentError
+from safevars.locking.saved_model import saved_guards
 from safevars.optimizer.runtime import OptimizerPart
 
 if TYPE_CHECKING:
@@ -52,7 +53,20 @@ def class_identity(cls: type) -> dict[str, Any]:
 
 
 class SerializationPart(OptimizerPart):
-    """SafeOptimizer's part for Keras configs and pickling."""
+    """SafeOptimizer's part for Keras configs, pickling and SavedModels."""
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
+        """For ``tf.saved_model.save`` also what its traced updates capture: the
+        bookkeeping (:attr:`safevars_state`) and the versions and locks of every
+        variable it updates (:func:`safevars.locking.saved_model.saved_guards`).
+        Checkpoints keep the plain optimizer's dependencies."""
+        children = dict(super()._trackable_children(save_type, **kwargs))
+        runtime = self._safevars
+        if save_type == "savedmodel" and runtime.ready:
+            state = saved_guards([*runtime.guards, runtime.state_guard, *runtime.fixed_guards])
+            state.bookkeeping = runtime.state
+            children["safevars"] = state
+        return children
 
     def get_config(self) -> dict[str, Any]:
         """The optimizer's own config, plus a ``"safevars"`` entry: class and settings."""

@@ -47,6 +47,7 @@ from safevars._tf_internal import (
 )
 from safevars.distribute import check_strategy
 from safevars.locking import Guard, LockStatistics
+from safevars.locking.saved_model import saved_guards
 from safevars.snapshot import Snapshot, take_snapshots
 from safevars.variable.checks import _static_shape
 from safevars.variable.scatter import _Scatter
@@ -235,7 +236,13 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         guard = self._self_guard
         guard.sync_version_var()
         children = dict(self.__wrapped__._trackable_children(save_type, **kwargs))
-        children["safevars_version"] = guard.version_var
+        if save_type == "savedmodel":
+            # What its traced writes capture besides the variable (version, mutex,
+            # gate), under a module: the loaded variable is a plain one, which
+            # restores no children of its own (safevars.locking.saved_model).
+            children["safevars"] = saved_guards([guard])
+        else:
+            children["safevars_version"] = guard.version_var
         return children
 
     def _export_to_saved_model_graph(
