@@ -71,6 +71,8 @@ Where things live (one idea per file):
 * ``sharing.py``: :func:`share_lock`.
 * ``joint_versions.py``: :func:`join_versions`, one counter for the versions of
   variables always written together (one add per step instead of one per variable).
+* ``saved_model.py``: what ``tf.saved_model.save`` needs to export functions that take
+  locks (the mutexes and counters they capture, as resources the loader creates).
 * ``statistics.py``: :class:`LockStatistics`, :func:`held_locks`/:class:`HeldLock`, the
   duplicate counters of :mod:`safevars.exactly_once`.
 * Graph sections (``tf.function``): :mod:`safevars.sections`.
