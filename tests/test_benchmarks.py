@@ -951,6 +951,23 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
     assert document["settings"]["threads"] == [1, 2]
     goals = {(g["case"], g["reference"]) for g in document["goals"] if g["family"] == "eager"}
     assert goals == {("assign_add/scalar", "tf.Variable"), ("update/scalar", "threading.Lock")}
+    # Issue 14's graph goals: scalar writes against plain, the rest against the peer.
+    graph = {
+        (g["case"], g["reference"], g["bound"])
+        for g in document["goals"]
+        if g["family"] == "graph"
+    }
+    scalar_writes = {
+        (f"{op}/scalar", "tf.Variable", 1.3) for op in ("assign", "assign_add", "update")
+    }
+    others = {
+        (f"{op}/{size}", "tf.CriticalSection", 1.0)
+        for op in bench_graph.OPS
+        for size in ("scalar", "1K")
+    }
+    assert graph == scalar_writes | {
+        o for o in others if o[0] not in {w[0] for w in scalar_writes}
+    }
 
 
 def test_quick_suite_safe_variants_never_lose_updates(quick_run):
