@@ -105,8 +105,24 @@ def run_together(
     collectives). With ``dump_after``, each command gets ``--dump-after T`` (10 s
     before the deadline): a script that supports it prints its threads' stacks and
     exits, so a hang shows where it hangs.
+
+    Scripts that pick their cluster's ports themselves (the parameter-server ones whose
+    workers run as processes of their own) can lose one to another process before its
+    server binds it: when a process fails for that, the group runs again (new ports),
+    up to ``PORT_ATTEMPTS`` times.
     """
-    return _results(commands, _run_all(commands, timeout, dump_after), timeout)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        runs = _run_all(commands, timeout, dump_after)
+        if not _port_taken(runs) or attempt == PORT_ATTEMPTS:
+            return _results(commands, runs, timeout)
+    raise AssertionError("unreachable")
+
+
+def _port_taken(runs: list[tuple[int | None, str, str]]) -> bool:
+    """Whether a process failed because a server could not bind its port."""
+    return any(
+        code not in (0, None) and any(text in err for text in _PORT_TAKEN) for code, _, err in runs
+    )
 
 
 def run_on_ports(
@@ -127,10 +143,6 @@ def run_on_ports(
         ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(count))
         group = commands(ports)
         runs = _run_all(group, timeout, dump_after)
-        taken = any(
-            code not in (0, None) and any(text in err for text in _PORT_TAKEN)
-            for code, _, err in runs
-        )
-        if not taken or attempt == PORT_ATTEMPTS:
+        if not _port_taken(runs) or attempt == PORT_ATTEMPTS:
             return _results(group, runs, timeout)
     raise AssertionError("unreachable")

@@ -69,3 +69,21 @@ def test_a_failed_process_ends_its_group():
 def test_a_process_past_the_deadline_is_killed_and_named():
     with pytest.raises(AssertionError, match="did not end within 3"):
         run_together([SLEEPER], 3.0)
+
+
+FAILS_ONCE = """
+import os, sys
+path = sys.argv[1]
+first = not os.path.exists(path)
+open(path, "a").write("x")
+if first:
+    sys.exit(print("UnknownError: Could not start gRPC server", file=sys.stderr) or 1)
+print('{"attempts": %d}' % len(open(path).read()))
+"""
+
+
+def test_a_script_that_lost_its_port_runs_again(tmp_path):
+    # The parameter-server scripts pick their ports themselves: running them again
+    # picks new ones.
+    (result,) = run_together([["-c", FAILS_ONCE, str(tmp_path / "attempts")]], CLUSTER_TIMEOUT)
+    assert result == {"attempts": 2}
