@@ -6,7 +6,9 @@ pipeline built once, read through one iterator kept across calls, as in training
 is a ``tf.function`` that takes one epoch of the shard (``n / 4`` elements; 1,024 single
 elements in ``epoch/elements``) from it and sums the features (so every element is
 materialized). Elements per second is
-``ops_per_call`` over the call time.
+``ops_per_call`` over the call time. The single-element case reads 4 instances of each
+pipeline, each for a block of 50 consecutive calls (see :class:`_Pipeline`); all
+instances share one copy of the data.
 
 * ``shard().shuffle()`` (baseline): ``Dataset.from_tensor_slices((x, y)).shard(4, 1)
   .shuffle(n / 4, seed, reshuffle_each_iteration=True).repeat()``, then batched, then
@@ -25,9 +27,9 @@ a 2-core machine: a call of either pipeline runs at one of two speeds for a few 
 milliseconds at a time (ShardedInput's single elements at about 17 or about 30 µs, one
 pipeline alone in a process), so one round's ratio swings between about 0.7 and 1.4.
 With 25 rounds the interval of a 0.87 median reached 1.06 (the goal undecided), and
-intervals were 0.25-0.41 wide; with 100 rounds 0.09-0.24. Each case takes 6-13 s. A whole
-pass can still read fast or slow, since a pipeline instance tends to keep one mode (README,
-"Results").
+intervals were 0.25-0.41 wide; with 100 rounds 0.09-0.24. Each case takes 6-13 s (the
+single-element one about 20 s, warming its instances). A pipeline instance tends to
+keep one mode for its life, hence the instances (README, "Results").
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ SEED = 1234
 SHARDS, SHARD = 4, 1
 FEATURES = 32
 ELEMENTS_PER_CALL = 1_024
+INSTANCES = 4  # single-element pipeline instances per variant, read in blocks of calls
+WARMUP_CALLS = 3  # per instance after the first (traced, then steady)
 
 
 def num_elements(ctx: Context) -> int:
@@ -86,32 +90,55 @@ def _reader(
 
 
 class _Pipeline:
-    """One variant's pipeline and reader: built at its first call, dropped by :meth:`close`.
+    """One variant's pipelines: ``instances`` of them, built and warmed at its first call,
+    each read for ``calls_per_instance`` calls in turn, all dropped by :meth:`close`.
 
-    A pipeline's iterator runs threads of its own (prefetching, parallel maps, the
-    autotuner) for as long as it lives. Built when the case is built, or kept after it
-    was measured, they took CPU from the case being measured on a 2-core machine: the
-    single-element case read 1.06-1.08 after the batched case's pipelines had run and
-    stayed alive, 1.01-1.03 without them (one process each, 2026-11-27).
+    Built when the case is built, or kept after it was measured, a pipeline's threads
+    (prefetching, parallel maps, the autotuner) took CPU from the case being measured:
+    the single-element case read 1.06-1.08 after the batched case's pipelines had run
+    and stayed alive, 1.01-1.03 without them (one process each, 2026-11-27).
+
+    Single elements: several instances, each read for a block of consecutive calls. A
+    pipeline instance keeps one speed for its life (the baseline's instances read
+    21.9-25.5 µs per element in one pass), so one instance per variant made a whole
+    pass read fast or slow: single-element passes 0.94-1.20 in one ``--repeat 5``,
+    1.01-1.07 with 4 instances in blocks (2026-11-27). Blocks, not one call each in
+    turn: an autotuned parallel map runs down while its instance waits. The batched
+    case keeps one instance: its ``ShardedInput`` map is autotuned and reaches its
+    speed only after many calls (per block of 25 rounds, four instances warmed with 3
+    calls each read 3.45, 1.97, 2.14, 1.65 µs per element; one instance read about 1.4
+    over a whole pass), and at 0.4x its goal does not hang on the instance.
     """
 
-    def __init__(self, build: Callable[[], Callable[[], Any]]) -> None:
+    def __init__(
+        self, build: Callable[[], Callable[[], Any]], instances: int, calls_per_instance: int
+    ) -> None:
         self._build = build
-        self._read: Callable[[], Any] | None = None
+        self._instances = instances
+        self._calls_per_instance = calls_per_instance
+        self._reads: list[Callable[[], Any]] = []
+        self._calls = 0
 
     def __call__(self) -> Any:
-        if self._read is None:
-            self._read = self._build()
-        return self._read()
+        if not self._reads:
+            self._reads = [self._build() for _ in range(self._instances)]
+            for read in self._reads[1:]:  # the first is warmed by the runner
+                for _ in range(WARMUP_CALLS):
+                    read()
+        index = self._calls // self._calls_per_instance % self._instances
+        self._calls += 1
+        return self._reads[index]()
 
     def close(self) -> None:
-        self._read = None  # the reader, its function and iterator: their threads end
+        self._reads = []  # the readers, their functions and iterators: their threads end
         gc.collect()
 
 
 def _case(ctx: Context, batch_size: int | None) -> Case:
     n = num_elements(ctx)
-    x, y = _source(n)
+    # One copy of the data in the process, shared by every pipeline instance (eager
+    # tensors; each pipeline built from NumPy arrays would copy them).
+    x, y = (tf.constant(a) for a in _source(n))
     per_shard = n // SHARDS
     # Single elements: a slice of an epoch per call (every element is a loop iteration).
     steps = min(per_shard, ELEMENTS_PER_CALL) if batch_size is None else per_shard // batch_size
@@ -132,7 +159,10 @@ def _case(ctx: Context, batch_size: int | None) -> Case:
         data = ShardedInput((x, y), seed=SEED, num_workers=SHARDS)
         return _reader(iter(data.dataset(SHARD, batch_size=batch_size)), steps, ctx, data.commit)
 
-    pipelines = [_Pipeline(plain), _Pipeline(sharded)]
+    # Single elements: a quarter of a full pass's calls per instance (2 calls per round,
+    # 100 rounds), so every instance is read in a pass.
+    instances, block = (1, 1) if batch_size is not None else (INSTANCES, 50)
+    pipelines = [_Pipeline(plain, instances, block), _Pipeline(sharded, instances, block)]
     label = "elements" if batch_size is None else f"batch{batch_size}"
 
     def teardown() -> None:
