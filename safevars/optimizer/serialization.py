@@ -61,8 +61,8 @@ class SerializationPart(OptimizerPart):
         variable it updates (:func:`safevars.locking.saved_model.saved_guards`).
         Checkpoints keep the plain optimizer's dependencies."""
         children = dict(super()._trackable_children(save_type, **kwargs))
-        runtime = self._safevars
-        if save_type == "savedmodel" and runtime.ready:
+        runtime = getattr(self, "_safevars", None)  # None while Keras' __init__ runs
+        if save_type == "savedmodel" and runtime is not None and runtime.ready:
             state = saved_guards([*runtime.guards, runtime.state_guard, *runtime.fixed_guards])
             state.bookkeeping = runtime.state
             children["safevars"] = state
