@@ -137,8 +137,10 @@ class _Pipeline:
 def _case(ctx: Context, batch_size: int | None) -> Case:
     n = num_elements(ctx)
     # One copy of the data in the process, shared by every pipeline instance (eager
-    # tensors; each pipeline built from NumPy arrays would copy them).
-    x, y = (tf.constant(a) for a in _source(n))
+    # tensors; each pipeline built from NumPy arrays would copy them), in host memory
+    # as tf.data wants it, also when the variables are on a GPU.
+    with tf.device("/CPU:0"):
+        x, y = (tf.constant(a) for a in _source(n))
     per_shard = n // SHARDS
     # Single elements: a slice of an epoch per call (every element is a loop iteration).
     steps = min(per_shard, ELEMENTS_PER_CALL) if batch_size is None else per_shard // batch_size

@@ -20,14 +20,14 @@ at most 1.0x ``tf.CriticalSection``, the peer a ``SafeVariable`` replaces inside
 The report gives every case's ratio to every variant with its interval as well, so the
 scalar writes' ratio to ``tf.CriticalSection`` is there too.
 
-The scalar writes' ratio is bimodal between runs: about 1.15-1.17 or about 1.31, a case
-keeping one mode for its few seconds. Inside a graph a ``SafeVariable`` write takes its
+The scalar writes' ratio is bimodal between runs: about 1.15-1.20 or about 1.31-1.37, a
+case keeping one mode for its few seconds. Inside a graph a ``SafeVariable`` write takes its
 lock with TensorFlow's ``MutexLock``, which always hands the rest of the function to the
 mutex's own thread, and the caller waits for it: two thread wake-ups per call that a
 plain function does not make. Their cost depends on where the scheduler puts the two
 threads: in one process, with the process pinned to one core (``taskset -c 0``) the
-same functions read 1.21-1.23x, with 2 cores 1.18-1.38x depending on how many other
-such functions were interleaved (2026-11-27). A bare ``MutexLock``/``ConsumeMutexLock``
+same functions read 1.21-1.23x; on 2 cores 1.17-1.22x with one or two such functions
+timed in turn and 1.31-1.38x with three or more (2026-11-27). A bare ``MutexLock``/``ConsumeMutexLock``
 pair around the plain writes read 1.11x in the same A/B as ``SafeVariable`` 1.17x.
 """
 
