@@ -148,3 +148,21 @@ def test_checkpoints_keep_their_layout():
     assert set(children) == {"safevars_version"} | set(
         v.__wrapped__._trackable_children("checkpoint")
     )
+
+
+def test_a_replica_step_under_mirrored_strategy(mirrored_strategy, tmp_path):
+    with mirrored_strategy.scope():
+        v = safevars.SafeVariable(1.0, aggregation=tf.VariableAggregation.MEAN)
+    module = tf.Module()
+    module.v = v
+
+    @tf.function(input_signature=[])
+    def step():
+        mirrored_strategy.run(lambda: module.v.assign_add(1.0))
+        return module.v.read_value()
+
+    module.step = step
+    assert float(step()) == 2.0
+    loaded = _save_and_load(module, tmp_path)
+    assert float(loaded.step()) == 3.0
+    assert float(loaded.v.numpy()) == 3.0
