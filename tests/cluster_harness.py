@@ -66,8 +66,11 @@ def _run_all(
         ]
         deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.returncode not in (None, 0) for p in procs):
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]  # every one, each time round
+                if None not in codes:
+                    break
+                if any(code not in (None, 0) for code in codes):
                     # The others would wait for the failed one on their collectives.
                     deadline = min(deadline, time.monotonic() + _GRACE)
                 time.sleep(0.05)
@@ -88,9 +91,11 @@ def _run_all(
 def _results(
     commands: list[list[str]], runs: list[tuple[int | None, str, str]], timeout: float
 ) -> list[dict]:
+    # A process that failed first: the others may only have been killed because of it.
     for command, (code, _, err) in zip(commands, runs):
-        what = f"did not end within {timeout} s" if code is None else f"failed ({code})"
-        assert code == 0, f"{command[0]} {what}:\n{err[-5000:]}"
+        assert code in (0, None), f"{command[0]} failed ({code}):\n{err[-5000:]}"
+    for command, (code, _, err) in zip(commands, runs):
+        assert code == 0, f"{command[0]} did not end within {timeout} s:\n{err[-5000:]}"
     return [last_json_line(out) for _, out, _ in runs]
 
 
@@ -135,9 +140,10 @@ def run_on_ports(
     """:func:`run_together` of ``commands(ports)``, ``ports`` ``count`` free 127.0.0.1
     ports joined by commas (a MultiWorkerMirroredStrategy cluster's ``TF_CONFIG``).
 
-    A port found free can be taken by another process before a server binds it (tests
-    running in parallel start clusters at the same time): when a process fails for
-    that, the whole group runs again on new ports, up to ``PORT_ATTEMPTS`` times.
+    A port found free can be taken by another process before a server binds it (another
+    cluster starting at the same time, such as the parameter-server script a test runs
+    alongside): when a process fails for that, the whole group runs again on new ports,
+    up to ``PORT_ATTEMPTS`` times.
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
         ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(count))

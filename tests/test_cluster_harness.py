@@ -61,8 +61,9 @@ def test_a_failed_process_ends_its_group():
     # A worker whose peer died waits forever on its collectives: the sleeper is killed a
     # few seconds after the other failed, not at the deadline.
     started = time.monotonic()
+    # Listed after the sleeper, the failed process is still the one reported.
     with pytest.raises(AssertionError, match=r"failed \(3\)"):
-        run_together([["-c", "import sys; sys.exit(3)"], SLEEPER], CLUSTER_TIMEOUT)
+        run_together([SLEEPER, ["-c", "import sys; sys.exit(3)"]], CLUSTER_TIMEOUT)
     assert time.monotonic() - started < CLUSTER_TIMEOUT / 2
 
 
