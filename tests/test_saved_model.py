@@ -166,3 +166,15 @@ def test_a_replica_step_under_mirrored_strategy(mirrored_strategy, tmp_path):
     loaded = _save_and_load(module, tmp_path)
     assert float(loaded.step()) == 3.0
     assert float(loaded.v.numpy()) == 3.0
+
+
+def test_keras_export_of_a_model_with_safe_weights_trained_by_safe_optimizer(tmp_path):
+    with safevars.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    assert isinstance(model.layers[0].kernel.value, safevars.SafeVariable)
+    model.compile(optimizer=SafeOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x = np.random.default_rng(0).random((16, 4), np.float32)
+    model.fit(x, x[:, :1], epochs=1, verbose=0)  # traced writes: locks in run-time mode
+    model.export(os.fspath(tmp_path / "exported"), verbose=False)
+    loaded = tf.saved_model.load(os.fspath(tmp_path / "exported"))
+    np.testing.assert_allclose(loaded.serve(x), model.predict(x, verbose=0), atol=1e-6)
