@@ -116,18 +116,24 @@ def run_together(
     server binds it: when a process fails for that, the group runs again (new ports),
     up to ``PORT_ATTEMPTS`` times.
     """
+    return _run_retrying(lambda: commands, timeout, dump_after)
+
+
+def _run_retrying(
+    group: Callable[[], list[list[str]]], timeout: float, dump_after: bool
+) -> list[dict]:
+    """Runs ``group()`` together, and a new ``group()`` again (up to ``PORT_ATTEMPTS``
+    runs) while a process fails because a server could not bind its port."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
+        commands = group()
         runs = _run_all(commands, timeout, dump_after)
-        if not _port_taken(runs) or attempt == PORT_ATTEMPTS:
+        taken = any(
+            code not in (0, None) and any(text in err for text in _PORT_TAKEN)
+            for code, _, err in runs
+        )
+        if not taken or attempt == PORT_ATTEMPTS:
             return _results(commands, runs, timeout)
     raise AssertionError("unreachable")
-
-
-def _port_taken(runs: list[tuple[int | None, str, str]]) -> bool:
-    """Whether a process failed because a server could not bind its port."""
-    return any(
-        code not in (0, None) and any(text in err for text in _PORT_TAKEN) for code, _, err in runs
-    )
 
 
 def run_on_ports(
@@ -145,10 +151,8 @@ def run_on_ports(
     alongside): when a process fails for that, the whole group runs again on new ports,
     up to ``PORT_ATTEMPTS`` times.
     """
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        ports = ",".join(str(portpicker.pick_unused_port()) for _ in range(count))
-        group = commands(ports)
-        runs = _run_all(group, timeout, dump_after)
-        if not _port_taken(runs) or attempt == PORT_ATTEMPTS:
-            return _results(group, runs, timeout)
-    raise AssertionError("unreachable")
+
+    def on_fresh_ports() -> list[list[str]]:
+        return commands(",".join(str(portpicker.pick_unused_port()) for _ in range(count)))
+
+    return _run_retrying(on_fresh_ports, timeout, dump_after)
