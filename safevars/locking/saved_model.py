@@ -109,7 +109,7 @@ def saved_guards(guards: Iterable[Guard]) -> tf.Module:
     guard's version, its lock's mutex and gate (in run-time mode) and its joint version
     counter, each once. ``tf.saved_model.save`` finds it as a child of the object that
     returns it from ``_trackable_children(save_type="savedmodel")``."""
-    resources: list[SavedResource] = []
+    resources: dict[int, SavedResource] = {}  # by id, in order: each once
     for guard in guards:
         guard.sync_version_var()  # an eager-mode version lives in Python until then
         found = [saved_variable(guard.version_var)]
@@ -118,7 +118,8 @@ def saved_guards(guards: Iterable[Guard]) -> tf.Module:
             found += [saved_mutex(lock.cs), saved_variable(lock.gate)]
         if guard.joint is not None:
             found.append(saved_variable(guard.joint.variable))
-        resources += [r for r in found if all(r is not k for k in resources)]
+        for resource in found:
+            resources.setdefault(id(resource), resource)
     state = tf.Module(name="safevars")
-    state.resources = resources
+    state.resources = list(resources.values())
     return state

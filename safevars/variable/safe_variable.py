@@ -234,14 +234,15 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
 
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
         guard = self._self_guard
-        guard.sync_version_var()
         children = dict(self.__wrapped__._trackable_children(save_type, **kwargs))
         if save_type == "savedmodel":
             # What its traced writes capture besides the variable (version, mutex,
             # gate), under a module: the loaded variable is a plain one, which
-            # restores no children of its own (safevars.locking.saved_model).
+            # restores no children of its own (safevars.locking.saved_model; it syncs
+            # the version variable itself).
             children["safevars"] = saved_guards([guard])
         else:
+            guard.sync_version_var()
             children["safevars_version"] = guard.version_var
         return children
 
