@@ -15,8 +15,9 @@ instances share one copy of the data.
   ``prefetch(AUTOTUNE)``: a full-shard shuffle buffer, reshuffled every epoch.
 * ``ShardedInput``: ``ShardedInput((x, y), seed=..., num_workers=4).dataset(1,
   batch_size=...)`` (a stateless per-epoch permutation of the whole dataset, strided over
-  the shards; one gather per batch), and ``commit(receipt)`` after every batch: the
-  checkpointable position moves with every step, as it must in training.
+  the shards; one gather per batch, per epoch for single elements), and
+  ``commit(receipt)`` after every batch: the checkpointable position moves with every
+  step, as it must in training.
 
 Cases: ``epoch/batch32`` (batches of 32) and ``epoch/elements`` (single elements: the
 per-element costs of both pipelines, and a commit per element). The issue's goal,

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from graph_walk import ancestors
 
-from safevars.data import REMAINDER_POLICIES, ShardedInput
+from safevars.data import REMAINDER_POLICIES, ShardedInput, _layout
 from safevars.errors import (
     InvalidArgumentError,
     NotCallableError,
@@ -43,6 +43,17 @@ def drain(data: ShardedInput, worker: int = 0, replica: int = 0, **kwargs) -> li
         out.append(tf.nest.map_structure(lambda t: t.numpy().tolist(), element))
         data.commit(receipt)
     return out
+
+
+@pytest.fixture(params=["whole_epochs", "chunks"])
+def unbatched_path(request, monkeypatch):
+    """Both ways an unbatched stream of tensors or ids looks its elements up: an epoch of
+    the shard at once (small data, the default), or chunks (an epoch over the byte
+    bound; chunks of 4 here, so that an epoch spans several)."""
+    if request.param == "chunks":
+        monkeypatch.setattr(_layout, "_WHOLE_EPOCH_BYTES", 0)
+        monkeypatch.setattr(_layout, "_CHUNK", 4)
+    return request.param
 
 
 # --------------------------------------------------------------------- the assignment
@@ -130,6 +141,7 @@ PINNED_FIRST = [29, 951, 255, 534, 723]
 
 class TestPipeline:
     @pytest.mark.parametrize("batch_size", [None, 3])
+    @pytest.mark.usefixtures("unbatched_path")
     def test_sources_give_the_assignment(self, batch_size):
         table = np.arange(30) * 10
         features = {"x": table, "y": np.arange(30.0) / 2}
@@ -167,6 +179,35 @@ class TestPipeline:
         assert [x // 2 for x, _ in got] == data.shard_ids(0, 3).tolist()
         assert [w for _, w in got] == [1.0, 1.0, 0.0]  # shard 3 of 10 = 2 * 4 + 2 pads
 
+    @pytest.mark.usefixtures("unbatched_path")
+    def test_padded_tensors_carry_their_weights(self):
+        table = np.arange(10) * 10
+        data = ShardedInput(table, seed=SEED, num_workers=4, remainder="pad", with_weights=True)
+        got = drain(data, 3, epochs=2)
+        assert [x // 10 for x, _ in got] == data.shard_ids(0, 3).tolist() + data.shard_ids(
+            1, 3
+        ).tolist()
+        assert [w for _, w in got] == [1.0, 1.0, 0.0] * 2
+
+    def test_unbatched_streams_gather_an_epoch_at_once_up_to_the_byte_bound(self, monkeypatch):
+        def whole(data):
+            return _layout._gathers_whole_epochs(data._layout, data._elements)
+
+        rows = {"x": np.zeros((101, 8), np.float32), "y": np.zeros(101, np.int64)}
+        data = ShardedInput(rows, seed=SEED, num_workers=2)  # 51 slots on shard 0
+        weighted = ShardedInput(rows, seed=SEED, num_workers=2, with_weights=True)
+        assert whole(data) and whole(weighted) and whole(ShardedInput(101, seed=SEED))
+        # 51 x (32 + 8 + 16 receipt) = 2856 bytes, 51 x 4 more with weights.
+        monkeypatch.setattr(_layout, "_WHOLE_EPOCH_BYTES", 2856)
+        assert whole(data) and not whole(weighted)
+        monkeypatch.setattr(_layout, "_WHOLE_EPOCH_BYTES", 2855)
+        assert not whole(data)
+        monkeypatch.undo()
+        strings = ShardedInput(np.array([b"a", b"bc"] * 5), seed=SEED)  # no fixed size
+        mapped = ShardedInput(10, seed=SEED, map_fn=lambda i: i)  # one lookup per element
+        assert not whole(strings) and not whole(mapped)
+        assert sorted(e.numpy() for e, _ in strings.dataset(epochs=1)) == [b"a"] * 5 + [b"bc"] * 5
+
     def test_order_does_not_depend_on_thread_timing(self):
         def jitter(i):  # each element takes a random time on one of many threads
             def sleep(v):
@@ -203,6 +244,7 @@ class TestPipeline:
 
 
 class TestPosition:
+    @pytest.mark.usefixtures("unbatched_path")
     def test_read_ahead_is_not_consumed(self):
         data = ShardedInput(20, seed=SEED, num_workers=2)
         iterator = iter(data.dataset(1))  # prefetches ahead of what is committed
@@ -214,6 +256,7 @@ class TestPosition:
         assert got == data.shard_ids(0, 1).tolist()[3:]
 
     @pytest.mark.parametrize("batch_size", [None, 4])
+    @pytest.mark.usefixtures("unbatched_path")
     def test_checkpoint_then_a_new_object_continues_exactly(self, tmp_path, batch_size):
         def make():
             return ShardedInput(np.arange(25) * 3, seed=SEED, num_workers=2, replicas_per_worker=2)

@@ -41,7 +41,8 @@ REMAINDER_POLICIES = ("spread", "drop", "pad")
 # The epoch order's key is derived in its own SeedSequence domain (_DOMAIN_SHUFFLE,
 # reserved for it in safevars.rng), so it never equals one of rng's derived values.
 _IDENTITY = ("safevars.data", 0)  # not a task: the order is the same on every worker
-_CHUNK = 256  # Elements looked up per gather when the pipeline is not batched.
+_CHUNK = 256  # Elements looked up per gather when the pipeline is not batched...
+_WHOLE_EPOCH_BYTES = 64 << 20  # ...and an epoch of the shard takes more than this.
 
 
 def shuffle_key(seed: int) -> int:
@@ -160,15 +161,23 @@ def shard_stream(
         else first_epoch + tf.constant(epochs, tf.int64)
     )
     parallel = dict(num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    whole_epochs = batch_size is None and _gathers_whole_epochs(layout, elements)
+
+    def gather(s: dict[str, tf.Tensor]) -> Any:
+        # One lookup per batch, epoch or chunk: no function call per element.
+        return _finish(elements, elements.lookup_one(s["id"]), s["weight"]), s["receipt"]
 
     def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
         begin = tf.where(tf.equal(epoch, first_epoch), first_slot, tf.constant(0, tf.int64))
-        slots = tf.data.Dataset.from_tensor_slices(layout.epoch_slots(shard, epoch, begin, length))
+        epoch_slots = layout.epoch_slots(shard, epoch, begin, length)
+        if whole_epochs:
+            # The rest of the epoch in one gather, then its rows. On the data benchmark's
+            # single elements (--cases data --repeat 3, 2026-11-27): 0.99 [0.97, 1.00]
+            # the plain shard().shuffle(), against 1.02 [1.01, 1.05] with chunks of 256
+            # unbatched (README, "Results", for the shapes tried).
+            return tf.data.Dataset.from_tensor_slices(gather(epoch_slots))
+        slots = tf.data.Dataset.from_tensor_slices(epoch_slots)
         if elements.vectorized:
-            # One gather per batch (or chunk, unbatched again): no function call per element.
-            def gather(s: dict[str, tf.Tensor]) -> Any:
-                return _finish(elements, elements.lookup_one(s["id"]), s["weight"]), s["receipt"]
-
             if batch_size is not None:
                 return slots.batch(batch_size).map(gather, **parallel)
             # Chunks are gathered one after the other: one gather per 256 elements, run
@@ -188,6 +197,17 @@ def shard_stream(
         return out if batch_size is None else out.batch(batch_size)
 
     return tf.data.Dataset.range(first_epoch, stop).flat_map(one_epoch)
+
+
+def _gathers_whole_epochs(layout: Layout, elements: Elements) -> bool:
+    """Whether an unbatched stream looks up an epoch of its shard at once: when the
+    elements are looked up by one gather, and an epoch of the largest shard (receipts and
+    weights included) takes at most ``_WHOLE_EPOCH_BYTES``. Else chunks of ``_CHUNK``."""
+    row = elements.row_bytes() if elements.vectorized else None
+    if row is None:
+        return False
+    row += 16 + (4 if elements.with_weights else 0)  # the receipt, the weight
+    return layout.shard_length(0) * row <= _WHOLE_EPOCH_BYTES
 
 
 def worker_stream(

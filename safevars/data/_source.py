@@ -1,8 +1,9 @@
 """The elements of a ShardedInput: what an element id is looked up in, and the checks.
 
 A source is a number of elements (the ids are the elements), a nested structure of
-tensors (element ``i`` is row ``i`` of each, one gather per batch) or a ``tf.data.Dataset``
-with random access (``tf.data.experimental.at``, one element at a time).
+tensors (element ``i`` is row ``i`` of each, one gather per batch, or per epoch of a
+shard) or a ``tf.data.Dataset`` with random access (``tf.data.experimental.at``, one
+element at a time).
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ class Elements:
         if self.kind == "dataset":
             return tf.data.experimental.at(self.source, element_id)
         return element_id
+
+    def row_bytes(self) -> int | None:
+        """Bytes of one element as looked up, or None if a dtype has no fixed size
+        (strings, variants) or the source is a dataset."""
+        if self.kind == "ids":
+            return 8
+        if self.kind != "tensors":
+            return None
+        total = 0
+        for tensor in tf.nest.flatten(self.source):
+            if tensor.dtype.size == 0:
+                return None
+            total += tensor.dtype.size * tensor.shape[1:].num_elements()
+        return total
 
     @property
     def vectorized(self) -> bool:

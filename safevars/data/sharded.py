@@ -61,7 +61,8 @@ NOTES:
   * Under ``MultiWorkerMirroredStrategy`` restore every worker from its own checkpoint;
     restoring the chief's on another worker gives that worker the chief's positions.
   * A ``tf.data.Dataset`` source is read with ``tf.data.experimental.at`` (random access),
-    one element at a time: slower than in-memory tensors (one gather per batch).
+    one element at a time: slower than in-memory tensors (one gather per batch, or per
+    epoch of a shard: see :meth:`ShardedInput.dataset`).
 """
 
 from __future__ import annotations
@@ -372,6 +373,11 @@ class ShardedInput(tf.Module):
             or positions restored from a checkpoint of another layout.
           UnsupportedStrategyError: the object was created under
             ``ParameterServerStrategy`` (use :meth:`per_worker_dataset`).
+
+        Memory: single elements from tensors or ids are looked up an epoch of the shard at
+        a time (a copy of those elements, held while the epoch is read) when that takes at
+        most 64 MiB, receipts and weights included; else 256 at a time (and always for
+        strings). Batches are looked up one at a time.
 
         Thread safety: reads the positions once, now (one read op).
 
