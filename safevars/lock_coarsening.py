@@ -5,10 +5,10 @@ Eight ``v.assign_add(d)`` in a traced function are eight critical sections, each
 hands every acquisition to a thread pool, which costs more than a small write. When a
 section follows one traced just before it on exactly the same locks, it joins that
 section instead: its ops run under the earlier section's lock (control dependencies on
-the op that opens it, the gate after its ``MutexLock`` ops) and the earlier release waits
-for them too. Other threads then
-see both writes or neither, which is stronger than what separate sections promise, and
-the lock is taken once.
+the op that opens it: its last ``MutexLock`` or a gate behind it, see
+:mod:`safevars.section_gate`) and the earlier release waits for them too. Other threads
+then see both writes or neither, which is stronger than what separate sections promise,
+and the lock is taken once.
 
 A join must not create a cycle or a wait out of the global lock order, so it is made
 only when all of this holds, and the section is traced on its own otherwise:
@@ -58,6 +58,7 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
+from safevars import section_gate
 from safevars.locking import SectionLock
 
 __all__ = [
@@ -125,10 +126,13 @@ class OpenSection:
 
     locks: tuple[SectionLock, ...]
     thread: threading.Thread
-    tokens: list[tf.Tensor]  # what a joining body waits for: the gate (sections._mutex_locks)
+    tokens: list[tf.Tensor]  # what a joining body waits for: the last MutexLock or a gate
     releases: list[Any]  # the ConsumeMutexLock ops
     end: int  # how many ops the graph had when the section's results were made
     counts: dict[Any, Count]  # guard -> the version count a joining write may add to
+    # While the section has no gate (safevars.section_gate): the ops waiting for its last
+    # MutexLock directly, and all the ops waiting for it; None once it has one.
+    ungated: tuple[list[Any], set[Any]] | None = None
 
 
 # Per-graph state lives on the graph object itself, never in a map keyed by graph: the
@@ -275,6 +279,14 @@ def join(
         return own_section(result, graph.get_operations()[before:], counts)
     count_writes(graph, pending, section)
     created = graph.get_operations()[before:]
+    if section.ungated is not None:  # no gate yet: one if the lock now readies many ops
+        opener = section.tokens[0]
+        direct, waiting = section.ungated
+        direct += section_gate.direct_ops(opener, created)
+        section_gate.add_waiting(opener, created, waiting)
+        gate = section_gate.gate_if_wide(section.locks[-1], opener, direct, waiting)
+        if gate is not opener:
+            section.tokens, section.ungated = [gate], None
     for release in section.releases:
         release._add_control_inputs(created)
     with tf.control_dependencies(section.releases):

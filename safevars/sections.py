@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars import lock_coarsening as coarsening
-from safevars import locking
+from safevars import locking, section_gate
 from safevars.distribute import on_parameter_server
 from safevars.errors import InvalidArgumentError, LockOrderError, UnsupportedStrategyError
 from safevars.locking import Guard, SectionLock, sorted_locks
@@ -278,39 +278,38 @@ def _traced_section(
                     graph, ordered, new, inputs, result, created, joinable, counts
                 ),
             )
-        locks, gate = _mutex_locks(new, inputs)
-        for op in gated:
-            op._add_control_inputs([gate.op])
+        locks = _mutex_locks(new, inputs)
+        gate = locks[-1]
+        if gated:  # a step's span: many ops
+            gate = section_gate.open_gate(new[-1], gate)
+            for op in gated:
+                op._add_control_inputs([gate.op])
         before = len(graph.get_operations())
         with tf.control_dependencies([gate]):
             result, pending = trace(fn)
             counts = coarsening.count_writes(graph, pending, None)
         created = graph.get_operations()[before:]
-        return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
+        ungated = None
+        if gate is locks[-1]:
+            direct = section_gate.direct_ops(gate, created)
+            waiting = section_gate.add_waiting(gate, created, set())
+            gate = section_gate.gate_if_wide(new[-1], gate, direct, waiting)
+            if gate is locks[-1]:
+                ungated = (direct, waiting)
+        return _release(
+            graph, ordered, new, locks, gate, result, created, joinable, counts, ungated
+        )
 
 
-def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """``MutexLock`` ops for ``new``, one after another in order, the first after ``inputs``,
-    and the gate: the tensor every op of the section waits for.
-
-    The gate is a look-up of the last lock's gate variable (``VarIsInitializedOp``: it reads
-    no value) after its ``MutexLock``. A ``MutexLock`` completes on the mutex's own thread,
-    and TensorFlow's executor then hands every op it made ready to its thread pool as a task
-    of its own (an async kernel's successors are not run inline); hundreds of update ops
-    waiting on the lock directly cost about 0.2-0.4 ms per step (measured: a 52-variable
-    Adam step, one core; within the noise with two). Behind the gate, only the gate is
-    handed over, and it releases the body inline. The look-up is stateful, so Grappler does
-    not fold the gate away (a ``NoOp``, ``Identity`` or ``Const`` gate was removed:
-    measured), and nothing else uses the variable, so automatic control dependencies order
-    it after no other op.
-    """
+def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> list[tf.Tensor]:
+    """``MutexLock`` ops for ``new``, one after another in order, the first after
+    ``inputs``. The section's ops wait for the last one, directly or through a gate
+    (:mod:`safevars.section_gate`)."""
     locks: list[tf.Tensor] = []
     for lock in new:
         with tf.control_dependencies(locks[-1:] if locks else inputs):
             locks.append(tfi.mutex_lock(lock.cs._handle))
-    with tf.control_dependencies(locks[-1:]):
-        gate = tf.raw_ops.VarIsInitializedOp(resource=new[-1].gate.handle)
-    return locks, gate
+    return locks
 
 
 def _own_section(
@@ -325,7 +324,8 @@ def _own_section(
 ) -> Any:
     """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
-        locks, gate = _mutex_locks(new, inputs)
+        locks = _mutex_locks(new, inputs)
+        gate = section_gate.open_gate(new[-1], locks[-1])  # every op waits for it
         for op in created:
             op._add_control_inputs([gate.op])
         return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
@@ -341,9 +341,14 @@ def _release(
     created: list[Any],
     joinable: bool,
     counts: dict[Any, Any],
+    ungated: tuple[list[Any], set[Any]] | None = None,
 ) -> Any:
     """The releases (after the gate and every op the body created) and the results made
     to wait.
+
+    ``gate`` is what the section's ops wait for: the last of ``locks`` (then
+    ``ungated`` holds the ops waiting for it directly and all those waiting for it) or a
+    gate op behind it (``ungated`` None).
 
     A section traced with no enclosing one becomes the graph's open section, which the
     next section on the same locks may join (:mod:`safevars.lock_coarsening`): a joining
@@ -364,6 +369,7 @@ def _release(
             list(released),
             len(graph.get_operations()),
             counts,
+            ungated,
         )
         coarsening.record(graph, section)
     return tf.nest.pack_sequence_as(result, leaves)

@@ -2,7 +2,8 @@
 
 The step's ops wait for one gate op after the ``MutexLock`` (not for the ``MutexLock``
 itself, whose async completion would hand every op it makes ready to a thread pool of its
-own). These tests pin what the cost work must keep: every write of a traced step runs
+own); a section the lock makes few ops ready in waits for the ``MutexLock`` directly
+(:mod:`safevars.section_gate`). These tests pin what the cost work must keep: every write of a traced step runs
 after the lock is taken and before it is released, the lock opens through the gate, and
 concurrent traced steps stay exact.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from graph_walk import ancestors
 from threading_harness import run_threads
 from traced_step import traced_step
 
 import safevars
-from safevars import SafeOptimizer, SafeVariable
+from safevars import SafeOptimizer, SafeVariable, section_gate
 
 _WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
 
@@ -64,8 +66,26 @@ def test_the_step_waits_for_one_gate_not_for_the_mutex_lock():
     assert {op.type for op in consumers} == {"VarIsInitializedOp", "ConsumeMutexLock"}
 
 
-def test_writes_joined_into_one_section_also_wait_for_the_gate():
-    """Lock coarsening: later writes join the first one's section through its gate."""
+def _made_ready_by(lock, graph):
+    """The ops the lock's completion makes ready: they wait for it and for no other op of
+    its section (everything between the lock and its release)."""
+    (release,) = [op for op in graph.get_operations() if op.type == "ConsumeMutexLock"]
+    section = {op for op in ancestors(release) if lock in ancestors(op)} | {lock}
+    return [
+        op
+        for op in _lock_consumers(lock) - {release}
+        if not any(s in section and s is not lock for s in _sources(op))
+    ]
+
+
+def _sources(op):
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def test_joined_writes_wait_for_the_mutex_lock_itself():
+    """Lock coarsening: later writes join the first one's section. With one op made ready
+    by the lock (the first write: each later one waits for the one before), the section
+    has no gate: it would be one more op and one more captured variable per call."""
     v = SafeVariable(0.0)
 
     @tf.function(autograph=False)
@@ -75,12 +95,39 @@ def test_writes_joined_into_one_section_also_wait_for_the_gate():
 
     graph = three_writes.get_concrete_function().graph
     (lock,) = [op for op in graph.get_operations() if op.type == "MutexLock"]
-    assert {op.type for op in _lock_consumers(lock)} == {"VarIsInitializedOp", "ConsumeMutexLock"}
+    assert "VarIsInitializedOp" not in {op.type for op in graph.get_operations()}
     writes = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
     assert len(writes) == 4  # three writes and their one version count, behind the lock
     assert all(lock in ancestors(write) for write in writes)
+    assert [op.type for op in _made_ready_by(lock, graph)] == ["AssignAddVariableOp"]
     three_writes()
     assert float(v.numpy()) == 3.0 and v.version == 3
+
+
+@pytest.mark.parametrize("count", [section_gate.DIRECT_ROOTS, section_gate.DIRECT_ROOTS + 1])
+def test_a_section_opens_through_a_gate_when_the_lock_would_make_many_ops_ready(count):
+    """Independent reads in one transaction: each is made ready by the lock alone. Up to
+    DIRECT_ROOTS of them wait for the MutexLock, more for one gate op behind it."""
+    v = SafeVariable(np.arange(4.0, dtype=np.float32))
+
+    @tf.function(autograph=False)
+    def step():
+        return safevars.transaction([v], lambda: [v.read_value() for _ in range(count)])
+
+    graph = step.get_concrete_function().graph
+    (lock,) = [op for op in graph.get_operations() if op.type == "MutexLock"]
+    gates = [op for op in graph.get_operations() if op.type == "VarIsInitializedOp"]
+    reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assert len(reads) == count and all(lock in ancestors(op) for op in reads)
+    if count <= section_gate.DIRECT_ROOTS:
+        assert gates == [] and sorted(_made_ready_by(lock, graph), key=str) == sorted(
+            reads, key=str
+        )
+    else:
+        (gate,) = gates
+        assert gate.control_inputs == [lock] and _made_ready_by(lock, graph) == [gate]
+        assert all(gate in op.control_inputs and lock not in op.control_inputs for op in reads)
+    assert [r.numpy().tolist() for r in step()] == [[0.0, 1.0, 2.0, 3.0]] * count
 
 
 def test_four_threads_of_a_traced_read_then_write_and_step_stay_exact():
