@@ -3,9 +3,9 @@
 The step's ops wait for one gate op after the ``MutexLock`` (not for the ``MutexLock``
 itself, whose async completion would hand every op it makes ready to a thread pool of its
 own); a section the lock makes few ops ready in waits for the ``MutexLock`` directly
-(:mod:`safevars.section_gate`). These tests pin what the cost work must keep: every write of a traced step runs
-after the lock is taken and before it is released, the lock opens through the gate, and
-concurrent traced steps stay exact.
+(:mod:`safevars.section_gate`). These tests pin what the cost work must keep: every write
+of a traced step runs after the lock is taken and before it is released, the lock opens
+through the gate, and concurrent traced steps stay exact.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from traced_step import traced_step
 
 import safevars
 from safevars import SafeOptimizer, SafeVariable, section_gate
+from safevars.locking import share_lock
 
 _WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
 
@@ -128,6 +129,45 @@ def test_a_section_opens_through_a_gate_when_the_lock_would_make_many_ops_ready(
         assert gate.control_inputs == [lock] and _made_ready_by(lock, graph) == [gate]
         assert all(gate in op.control_inputs and lock not in op.control_inputs for op in reads)
     assert [r.numpy().tolist() for r in step()] == [[0.0, 1.0, 2.0, 3.0]] * count
+
+
+def test_a_join_that_makes_the_section_wide_adds_the_gate_and_writes_stay_whole():
+    """Three variables sharing one lock, written one after another: the three sections
+    join into one, each write a root of its own (no write of another variable holds it
+    back). The third join adds the gate, and every write then waits for it. Readers
+    (snapshots) on 2 threads, against 2 writers on a barrier, never see the three
+    variables from different calls."""
+    a, b, c = SafeVariable(0.0), SafeVariable(0.0), SafeVariable(0.0)
+    assert share_lock([a.guard, b.guard, c.guard])
+
+    @tf.function(autograph=False)
+    def write_all(x):
+        for v in (a, b, c):
+            v.assign(x, read_value=False)
+
+    graph = write_all.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+    ops = graph.get_operations()
+    (lock,) = [op for op in ops if op.type == "MutexLock"]
+    (gate,) = [op for op in ops if op.type == "VarIsInitializedOp"]
+    writes = [op for op in ops if op.type == "AssignVariableOp"]
+    assert len(writes) == 3 and _made_ready_by(lock, graph) == [gate]
+    assert all(gate in op.control_inputs and lock not in op.control_inputs for op in writes)
+
+    calls, torn = 150, []
+
+    def writer(i):
+        for k in range(calls):
+            write_all(tf.constant(float(i * calls + k)))
+
+    def reader(_):
+        for _ in range(calls):
+            values = [float(s.value) for s in safevars.snapshot([a, b, c])]
+            if len(set(values)) != 1:
+                torn.append(values)
+
+    run_threads(4, lambda i: (writer if i < 2 else reader)(i))
+    assert torn == []
+    assert a.version == b.version == c.version == 2 * calls
 
 
 def test_four_threads_of_a_traced_read_then_write_and_step_stay_exact():
