@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -130,9 +130,9 @@ class OpenSection:
     releases: list[Any]  # the ConsumeMutexLock ops
     end: int  # how many ops the graph had when the section's results were made
     counts: dict[Any, Count]  # guard -> the version count a joining write may add to
-    # While the section has no gate (safevars.section_gate): the ops waiting for its last
-    # MutexLock directly, and all the ops waiting for it; None once it has one.
-    ungated: tuple[list[Any], set[Any]] | None = None
+    # While the section waits for its last MutexLock directly: the ops that wait for it
+    # (safevars.section_gate); None once it has a gate.
+    ungated: section_gate.Ungated | None = None
 
 
 # Per-graph state lives on the graph object itself, never in a map keyed by graph: the
@@ -280,12 +280,8 @@ def join(
     count_writes(graph, pending, section)
     created = graph.get_operations()[before:]
     if section.ungated is not None:  # no gate yet: one if the lock now readies many ops
-        opener = section.tokens[0]
-        direct, waiting = section.ungated
-        direct += section_gate.direct_ops(opener, created)
-        section_gate.add_waiting(opener, created, waiting)
-        gate = section_gate.gate_if_wide(section.locks[-1], opener, direct, waiting)
-        if gate is not opener:
+        gate = section.ungated.add(created)
+        if gate is not section.ungated.opener:
             section.tokens, section.ungated = [gate], None
     for release in section.releases:
         release._add_control_inputs(created)
@@ -310,14 +306,9 @@ def _may_join(graph: Any, section: OpenSection, created: list[Any]) -> bool:
     return not any(
         _depends_on_section(graph, source)
         for op in created
-        for source in _sources(op)
+        for source in section_gate.op_sources(op)
         if source not in own
     )
-
-
-def _sources(op: Any) -> Iterable[Any]:
-    yield from (t.op for t in op.inputs)
-    yield from op.control_inputs
 
 
 def _orders_after_release(op: Any) -> bool:
@@ -355,11 +346,11 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
             memo[current] = True
             stack.pop()
             continue
-        pending = [s for s in _sources(current) if s not in memo]
+        pending = [s for s in section_gate.op_sources(current) if s not in memo]
         if pending:
             stack.extend(pending)
             continue
-        memo[current] = any(memo[s] for s in _sources(current))
+        memo[current] = any(memo[s] for s in section_gate.op_sources(current))
         stack.pop()
     return memo[op]
 

@@ -31,14 +31,14 @@ scalar and 1.268 -> 1.261 for 1K: no gain.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from safevars.locking import SectionLock
 
-__all__ = ["DIRECT_ROOTS", "add_waiting", "direct_ops", "gate_if_wide", "open_gate"]
+__all__ = ["DIRECT_ROOTS", "Ungated", "op_sources", "open_gate"]
 
 DIRECT_ROOTS = 2  # A section with more roots than this opens through a gate.
 
@@ -49,56 +49,58 @@ def open_gate(lock: SectionLock, opener: tf.Tensor) -> tf.Tensor:
         return tf.raw_ops.VarIsInitializedOp(resource=lock.gate.handle)
 
 
-def direct_ops(opener: tf.Tensor, ops: Iterable[Any]) -> list[Any]:
-    """The ops of ``ops`` with ``opener``'s op as a control input."""
-    lock_op = opener.op
-    return [op for op in ops if lock_op in op.control_inputs]
-
-
-def add_waiting(opener: tf.Tensor, ops: Iterable[Any], waiting: set[Any]) -> set[Any]:
-    """Adds to ``waiting`` the ops of ``ops`` (in the order they were made) that wait for
-    ``opener``: directly, or through an input in ``waiting``. Returns ``waiting``."""
-    lock_op = opener.op
-    for op in ops:
-        if lock_op in op.control_inputs or any(s in waiting for s in _sources(op)):
-            waiting.add(op)
-    return waiting
-
-
-def _sources(op: Any) -> Iterable[Any]:
+def op_sources(op: Any) -> Iterable[Any]:
+    """The ops ``op`` waits for: those of its inputs, then its control inputs."""
     yield from (t.op for t in op.inputs)
     yield from op.control_inputs
 
 
-def gate_if_wide(
-    lock: SectionLock, opener: tf.Tensor, direct: Sequence[Any], waiting: Container[Any]
-) -> tf.Tensor:
-    """``opener``, or a new gate if more than :data:`DIRECT_ROOTS` of the section's ops
-    would be made ready by it.
+class Ungated:
+    """A section whose ops wait for its last ``MutexLock`` directly, while it has at most
+    :data:`DIRECT_ROOTS` roots.
 
-    Args:
+    Attributes:
       lock: The section's last lock (whose gate variable a gate reads).
-      opener: The section's last ``MutexLock``.
-      direct: The section's ops with ``opener`` as a control input. Its roots are those
-        with no other input (data or control) in ``waiting``: an op that also waits
-        for another op of the section is not made ready by the lock. (Inputs made
-        while the body was traced that wait for nothing, such as the placeholders of
-        captured variables, do not hold an op back.)
-      waiting: The ops of the section that wait for ``opener`` (:func:`add_waiting`).
-
-    Returns:
-      What the section's ops wait for from now on. When it is a new gate, every op of
-      ``direct`` waits for the gate instead of ``opener``.
+      opener: Its ``MutexLock``.
+      direct: The section's ops with ``opener`` as a control input.
+      waiting: The section's ops that wait for ``opener``, directly or through an input.
     """
-    lock_op = opener.op
-    roots = [
-        op for op in direct if not any(s in waiting for s in _sources(op) if s is not lock_op)
-    ]
-    if len(roots) <= DIRECT_ROOTS:
-        return opener
-    gate = open_gate(lock, opener)
-    for op in direct:
-        others = [c for c in op.control_inputs if c is not lock_op]
-        op._remove_all_control_inputs()
-        op._add_control_inputs([*others, gate.op])
-    return gate
+
+    def __init__(self, lock: SectionLock, opener: tf.Tensor) -> None:
+        self.lock = lock
+        self.opener = opener
+        self.direct: list[Any] = []
+        self.waiting: set[Any] = set()
+
+    def add(self, ops: Sequence[Any]) -> tf.Tensor:
+        """Takes in ``ops``, just traced into the section (in the order they were made).
+
+        Returns:
+          What the section's ops wait for from now on: ``opener``, or a new gate if more
+          than :data:`DIRECT_ROOTS` ops would now be made ready by ``opener``. A root
+          is an op of ``direct`` with no other input (data or control) in ``waiting``:
+          an op that also waits for another op of the section is not made ready by the
+          lock. (Inputs made while the body was traced that wait for nothing, such as
+          the placeholders of captured variables, do not hold an op back.) With a new
+          gate, every op of ``direct`` waits for it instead of ``opener``.
+        """
+        lock_op = self.opener.op
+        for op in ops:
+            if lock_op in op.control_inputs:
+                self.direct.append(op)
+                self.waiting.add(op)
+            elif any(s in self.waiting for s in op_sources(op)):
+                self.waiting.add(op)
+        roots = [
+            op
+            for op in self.direct
+            if not any(s in self.waiting for s in op_sources(op) if s is not lock_op)
+        ]
+        if len(roots) <= DIRECT_ROOTS:
+            return self.opener
+        gate = open_gate(self.lock, self.opener)
+        for op in self.direct:
+            others = [c for c in op.control_inputs if c is not lock_op]
+            op._remove_all_control_inputs()
+            op._add_control_inputs([*others, gate.op])
+        return gate

@@ -291,11 +291,10 @@ def _traced_section(
         created = graph.get_operations()[before:]
         ungated = None
         if gate is locks[-1]:
-            direct = section_gate.direct_ops(gate, created)
-            waiting = section_gate.add_waiting(gate, created, set())
-            gate = section_gate.gate_if_wide(new[-1], gate, direct, waiting)
-            if gate is locks[-1]:
-                ungated = (direct, waiting)
+            ungated = section_gate.Ungated(new[-1], gate)
+            gate = ungated.add(created)
+            if gate is not ungated.opener:
+                ungated = None
         return _release(
             graph, ordered, new, locks, gate, result, created, joinable, counts, ungated
         )
@@ -341,14 +340,13 @@ def _release(
     created: list[Any],
     joinable: bool,
     counts: dict[Any, Any],
-    ungated: tuple[list[Any], set[Any]] | None = None,
+    ungated: section_gate.Ungated | None = None,
 ) -> Any:
     """The releases (after the gate and every op the body created) and the results made
     to wait.
 
-    ``gate`` is what the section's ops wait for: the last of ``locks`` (then
-    ``ungated`` holds the ops waiting for it directly and all those waiting for it) or a
-    gate op behind it (``ungated`` None).
+    ``gate`` is what the section's ops wait for: the last of ``locks`` (then ``ungated``
+    tracks the ops waiting for it) or a gate op behind it (``ungated`` None).
 
     A section traced with no enclosing one becomes the graph's open section, which the
     next section on the same locks may join (:mod:`safevars.lock_coarsening`): a joining
