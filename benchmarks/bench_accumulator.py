@@ -18,9 +18,15 @@ Variants:
   gradient_accumulation_steps=4)`` and ``optimizer.apply(grads)`` every micro-step (its
   accumulators are plain variables, updated with a separate read and assign).
 * ``GradientAccumulator``: ``acc.add(grads)`` every micro-step and ``acc.take()`` then
-  ``SGD.apply`` at the K-th, with ``deterministic=True`` (order-independent result;
-  goal: at most 1.10× the baseline per micro-step, for both models).
-* ``GradientAccumulator(deterministic=False)``: the same with a float32 running sum.
+  ``SGD.apply`` at the K-th, with ``deterministic=True`` (order-independent result) and
+  ``max_pending=4``: like Keras' ``gradient_accumulation_steps=4``, it declares how many
+  contributions accumulate, so the storage is made up front and a traced ``add`` has no
+  growth check (goal: at most 1.10× the baseline per micro-step, for both models).
+* ``GradientAccumulator(max_pending=None)``: the same with the default, unbounded
+  storage, whose traced ``add`` checks for room and grows it if needed (one ``If``
+  kernel per ``add``).
+* ``GradientAccumulator(deterministic=False)``: a float32 running sum, ``max_pending``
+  not set.
 
 Where the extra time of ``deterministic=True`` goes (measured on one core with other
 processes running, per K = 4 micro-steps, after the block layout of
@@ -165,12 +171,14 @@ def _keras_variant(spec: Model, batches: list) -> Callable[[], None]:
 
 
 def _accumulator_variant(
-    spec: Model, batches: list, deterministic: bool
+    spec: Model, batches: list, deterministic: bool, max_pending: int | None = None
 ) -> tuple[Callable[[], None], int]:
     model = _model(spec)
     optimizer = keras.optimizers.SGD(0.01)
     optimizer.build(model.trainable_variables)
-    acc = GradientAccumulator(model.trainable_variables, deterministic=deterministic)
+    acc = GradientAccumulator(
+        model.trainable_variables, deterministic=deterministic, max_pending=max_pending
+    )
 
     @tf.function(autograph=False)
     def micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -196,7 +204,10 @@ def _case(ctx: Context, spec: Model) -> Case:
     with tf.device(ctx.device):
         batches = _batches(spec)
         keras_call = _keras_variant(spec, batches)
-        exact_call, exact_bytes = _accumulator_variant(spec, batches, deterministic=True)
+        exact_call, exact_bytes = _accumulator_variant(
+            spec, batches, deterministic=True, max_pending=MICRO_STEPS
+        )
+        growing_call, _ = _accumulator_variant(spec, batches, deterministic=True)
         float_call, float_bytes = _accumulator_variant(spec, batches, deterministic=False)
     parameters = spec.parameters
     return Case(
@@ -205,6 +216,7 @@ def _case(ctx: Context, spec: Model) -> Case:
         variants={
             "keras gradient_accumulation_steps": keras_call,
             "GradientAccumulator": exact_call,
+            "GradientAccumulator(max_pending=None)": growing_call,
             "GradientAccumulator(deterministic=False)": float_call,
         },
         ops_per_call=MICRO_STEPS,

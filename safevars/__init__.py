@@ -6,6 +6,7 @@ from safevars.audit import AuditReport, Race, audit
 from safevars.creator_scope import scope
 from safevars.data import ShardedInput
 from safevars.errors import (
+    AccumulatorFullError,
     AccumulatorTimeoutError,
     DTypeMismatchError,
     IndexOutOfRangeError,
@@ -31,6 +32,7 @@ from safevars.variable import SafeVariable, wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulatorFullError",
     "AccumulatorStatistics",
     "AccumulatorTimeoutError",
     "AuditReport",

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 __all__ = [
+    "AccumulatorFullError",
     "AccumulatorTimeoutError",
     "DTypeMismatchError",
     "IndexOutOfRangeError",
@@ -156,6 +157,14 @@ class StaleGradientError(SafeVarsError, ValueError):
 
 class NonFiniteGradientError(SafeVarsError, ValueError):
     """A gradient holds NaN or Inf and the policy is ``nonfinite="raise"``."""
+
+
+class AccumulatorFullError(SafeVarsError, RuntimeError):
+    """An ``add`` would leave more than ``max_pending`` contributions pending.
+
+    Nothing of the refused ``add`` is accumulated and no statistic changes; a ``take``
+    or ``reset`` makes room.
+    """
 
 
 class AccumulatorTimeoutError(SafeVarsError, TimeoutError):

@@ -21,6 +21,7 @@ from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES
+from safevars.errors import AccumulatorFullError, assertion_text
 from safevars.locking import Guard, graph_section, hold
 from safevars.sections import graph_inputs, record_xla_preparation
 from safevars.staleness import refuse_stale, scale_stale, version_lag
@@ -48,8 +49,10 @@ class _Commit(_AccumulatorBase):
                 # micro-step about 6% slower. It may grow the buffer for an add that is
                 # then refused: capacity only, no value or counter. Every other state
                 # change (counters, rows) waits for the contributions: they depend on the
-                # value checks, and a refused add must change nothing.
-                grown = self._grow_if_full(len(parts)) if self._deterministic else None
+                # value checks, and a refused add must change nothing. With max_pending
+                # the storage was made up front: no check.
+                grows = self._deterministic and self._max_pending is None
+                grown = self._grow_if_full(len(parts)) if grows else None
                 with tf.control_dependencies(graph_inputs(parts)):
                     return self._commit_body(parts, grown)
 
@@ -104,6 +107,10 @@ class _Commit(_AccumulatorBase):
             scaled.append(scale)
             if accept is not False:
                 kept.append((part, accept, scale, staleness))
+        if self._max_pending is not None:
+            room = self._check_room(_total(accepted), len(kept))
+            if room is not None:
+                checks.append(room)
         with tf.control_dependencies(checks):
             self._apply(kept, grown)
             n = _total(accepted)
@@ -117,6 +124,26 @@ class _Commit(_AccumulatorBase):
             if not eager:
                 return tf.cast(n, tf.int64)  # made to depend on the commit
         return n
+
+    def _check_room(self, accepted: int | tf.Tensor, count: int) -> Any:
+        """With ``max_pending``: refuses an add that would leave more than that pending
+        (lock held, before anything changes). Eagerly raises AccumulatorFullError; in a
+        graph returns the assertion the commit waits for. Inside an XLA-compiled function,
+        which drops assertions, the check runs before the call instead, for the
+        ``count`` contributions it may add (:meth:`_prepare_rows`); returns None then."""
+        limit = cast(int, self._max_pending)
+        if tf.executing_eagerly():
+            pending = int(self._counters.numpy()[_PENDING])
+            if pending + int(accepted) > limit:
+                raise AccumulatorFullError(_full_message(pending, int(accepted), limit))
+            return None
+        if tfi.in_xla_context():
+            if not self._deterministic:  # a deterministic add records it with its rows
+                record_xla_preparation(
+                    self, self._prepare_rows, count, "GradientAccumulator.add()"
+                )
+            return None
+        return _room_assertion(self._counters[_PENDING], accepted, limit)
 
     def _staleness(self, part: _Part) -> Any:
         if part.version_kind == "none" or self._max_staleness is None:
@@ -196,22 +223,41 @@ class _Commit(_AccumulatorBase):
             )
             self._write_blocks(blocks, pending, offsets)
             return
+        if self._max_pending is not None:  # made up front, and _check_room ran
+            self._write_blocks(blocks, pending, offsets)
+            return
         if grown is None:
             grown = self._grow_if_full(count, pending)
         with tf.control_dependencies([grown]):
             self._write_blocks(blocks, pending, offsets)
 
-    def _prepare_rows(self, count: int) -> tf.Tensor | None:
+    def _prepare_rows(self, count: int) -> Any:
         """Grows the buffer if ``count`` more contributions do not fit (lock held): before
         an XLA-compiled call whose adds may write that many. Eagerly it grows at once;
         in a graph it returns the growth check's output. With blocks kept by reference
         the buffer gets at least one block even when they all fit: XLA compiles the
         write to the buffer whichever block an add takes, and refuses a scatter into an
-        empty one."""
+        empty one. With ``max_pending`` it first refuses the call if ``count`` more would
+        not fit (eagerly AccumulatorFullError; in a graph an assertion the growth
+        waits for); a running sum only checks."""
         minimum = self._layout.chunks if self._references else 0
+        limit = self._max_pending
         if not tf.executing_eagerly():
-            return self._grow_if_full(count, minimum=minimum)
-        self._grow_eagerly(count, minimum)
+            checks = []
+            if limit is not None:
+                checks.append(_room_assertion(self._counters[_PENDING], count, limit))
+            if not self._deterministic:
+                return checks[0]
+            with tf.control_dependencies(checks):
+                return self._grow_if_full(count, minimum=minimum)
+        if limit is not None:
+            pending = int(self._counters.numpy()[_PENDING])
+            if pending + count > limit:
+                raise AccumulatorFullError(
+                    _full_message(pending, count, limit, "the XLA-compiled call may add")
+                )
+        if self._deterministic:
+            self._grow_eagerly(count, minimum)
         return None
 
     def _grow_eagerly(self, count: int, minimum: int = 0) -> int:
@@ -263,9 +309,15 @@ class _Commit(_AccumulatorBase):
         references = self._references
         eager = tf.executing_eagerly()
         xla = not eager and tfi.in_xla_context()
+        limit = self._max_pending
+        # With max_pending, whether blocks past the references may be written at all.
+        past_references = limit is None or limit > references
         for pieces, offset in zip(blocks, offsets):
             if references:
                 block = pending + offset if eager else tf.cast(pending, tf.int64) + offset
+                if limit is not None and isinstance(offset, tf.Tensor):
+                    # Refused at run time: past the pending ones, at most the spare.
+                    block = tf.minimum(block, limit)
                 if len(pieces) != len(self._helpers.references.shapes):
                     # One flat block (gathered from workers): cut into its pieces.
                     pieces = self._cut_block(pieces)
@@ -279,7 +331,7 @@ class _Commit(_AccumulatorBase):
                     )
                     continue
                 self._helpers.references.write(block, [piece for _, piece in pieces])
-                if not eager:  # where the block is past the references (else no row)
+                if not eager and past_references:  # past the references (else no row)
                     self._scatter(pieces, base, past=True)
                 continue
             # No op for what adds nothing (offset 0, one row per block, a one-row piece):
@@ -287,6 +339,8 @@ class _Commit(_AccumulatorBase):
             base = tf.cast(pending, tf.int64)
             if not (isinstance(offset, int) and offset == 0):
                 base += offset
+            if limit is not None and isinstance(offset, tf.Tensor):
+                base = tf.minimum(base, limit)  # refused at run time: at most the spare
             if chunks != 1:
                 base *= chunks
             self._scatter(pieces, base)
@@ -340,6 +394,34 @@ class _Commit(_AccumulatorBase):
             return tf.reduce_max(tf.stack([tf.cast(v, tf.int64) for v in versions]))
         takes = self._counters[_TAKES]
         return int(takes) if tf.executing_eagerly() else takes
+
+
+def _full_message(pending: int, count: int, limit: int, what: str = "the add would add") -> str:
+    return (
+        f"{pending} contributions are pending and {what} {count}: more than "
+        f"max_pending={limit}. Nothing was accumulated; take() or reset() makes room, or "
+        "pass a larger max_pending (None: no limit)."
+    )
+
+
+def _room_assertion(pending: tf.Tensor, count: int | tf.Tensor, limit: int) -> tf.Operation:
+    """In a graph: fails unless ``pending + count <= limit`` (see ``_check_room``).
+
+    One ``Assert`` kernel: ``tf.debugging.Assert`` wraps it in a ``tf.cond`` (to skip
+    formatting its message when it holds), a function call at every ``add``, which is
+    what ``max_pending`` saves.
+    """
+    total = pending + tf.cast(count, tf.int64)
+    return tf.raw_ops.Assert(
+        condition=total <= limit,
+        data=[
+            assertion_text(AccumulatorFullError, "an add inside a tf.function would leave"),
+            total,
+            "contributions pending, more than max_pending =",
+            tf.constant(limit, tf.int64),
+            "(nothing was accumulated; take() or reset() makes room)",
+        ],
+    )
 
 
 def _keep_as_kernel(result: tf.Tensor) -> None:

@@ -148,6 +148,15 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         default: accumulate it, as IEEE addition would), "raise"
         (:class:`~safevars.NonFiniteGradientError`, nothing accumulated) or "skip"
         (counted in ``statistics().rejected``).
+      max_pending: If set, the most contributions that may be pending at once. An
+        ``add`` that would leave more pending is refused before anything changes
+        (:class:`~safevars.AccumulatorFullError` eagerly; inside a ``tf.function`` a
+        run-time failure naming it, and before an XLA-compiled call that may add more
+        than fit, when it is called); ``take`` or ``reset`` make room. A deterministic
+        accumulator then allocates its storage for that many up front and never grows
+        it, so a traced ``add`` has no growth check (a conditional, about 10 µs per
+        ``add`` on the 2-core development machine: README, "Results"). None (default):
+        no limit; the storage grows as needed.
       lock_span: When an ``add`` traced in a ``tf.function`` takes the lock. ``"step"``
         (default): as early as the function allows, once every op traced before the
         ``add`` that may wait or take other locks (a Python function, an iterator, a
@@ -222,6 +231,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         deterministic: bool = True,
         nonfinite: str = "propagate",
         lock_span: str = "step",
+        max_pending: int | None = None,
         name: str = "gradient_accumulator",
     ) -> None:
         super().__init__(name=name)
@@ -231,6 +241,13 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         max_staleness, on_stale = check_stale_policy(max_staleness, on_stale)
         nonfinite = check_choice(nonfinite, "nonfinite", _NONFINITE_POLICIES)
         num_required = check_int(num_required, "num_required", 1, optional=True)
+        max_pending = check_int(max_pending, "max_pending", 1, optional=True)
+        if max_pending is not None and num_required is not None and num_required > max_pending:
+            raise InvalidArgumentError(
+                f"num_required={num_required} is more than max_pending={max_pending}: a "
+                "take waiting for num_required contributions would never see them. Pass "
+                "max_pending >= num_required."
+            )
         deterministic = check_bool(deterministic, "deterministic")
         lock_span = check_choice(
             lock_span,
@@ -246,6 +263,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         self._deterministic = deterministic
         self._nonfinite = nonfinite
         self._lock_span = lock_span
+        self._max_pending = max_pending
 
         leaves = tf.nest.flatten(variables)
         if not leaves:
@@ -284,20 +302,28 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
                 # first ``rows`` pending contributions are kept by reference
                 # (_References); the buffer holds the ones after them.
                 references = rows if self._layout.direct else 0
+                buffered = 0 if references else rows
+                if max_pending is not None:  # storage for max_pending, made now
+                    references = min(references, max_pending)
+                    buffered = max_pending - references
+                    if buffered and self._refuses_at_run_time():
+                        # Where a traced add writes contributions refused when it runs
+                        # (past the pending ones, never read): see commit._write_blocks.
+                        buffered += 1
                 helpers.references = _References(self._layout, references, prefix)
                 # Declared with an unknown rank, not [None, elements]: TensorFlow 2.21
                 # aborts a worker that receives a handle to a remote variable whose
                 # shape has an unknown dimension (RemoteMgr builds a TensorShape from
                 # it), which is how ParameterServerStrategy workers reach the state.
                 # One block of layout.chunks rows of layout.width elements per contribution.
-                buffered = 0 if references else rows
                 self._state = _RowsVariable(
                     tf.zeros([buffered * self._layout.chunks, self._layout.width], tf.float32),
                     trainable=False,
                     name=f"{prefix}_rows",
                     shape=tf.TensorShape(None),
                 )
-                self._state._set_layout(self._layout, self._size, helpers.references)
+                minimum_rows = buffered * self._layout.chunks if max_pending is not None else 0
+                self._state._set_layout(self._layout, self._size, helpers.references, minimum_rows)
             else:
                 helpers.references = _References(self._layout, 0, prefix)
                 self._state = resource_variable_ops.ResourceVariable(
@@ -370,6 +396,12 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         if self._references:
             buffer += self._helpers.references.nbytes()
         return buffer
+
+    def _refuses_at_run_time(self) -> bool:
+        """Whether a traced ``add`` may refuse a contribution when it runs (a stale one
+        dropped, a non-finite one skipped) rather than fail or accept it."""
+        stale = self._max_staleness is not None and self._on_stale == "drop"
+        return stale or self._nonfinite == "skip"
 
     @property
     def _references(self) -> int:

@@ -24,6 +24,7 @@ from safevars.distribute import (
     on_parameter_server,
 )
 from safevars.errors import (
+    AccumulatorFullError,
     AccumulatorTimeoutError,
     InvalidArgumentError,
     NonFiniteGradientError,
@@ -34,6 +35,7 @@ from safevars.errors import (
 
 # The errors the run-time assertions of the graph path stand for (errors.assertion_text).
 _RUNTIME_ERRORS = (
+    AccumulatorFullError,
     StaleGradientError,
     NonFiniteGradientError,
     AccumulatorTimeoutError,

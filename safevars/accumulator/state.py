@@ -171,10 +171,14 @@ class _RowsVariable(resource_variable_ops.ResourceVariable):
     resumes with the same pending contributions and the same result.
     """
 
-    def _set_layout(self, layout: _Layout, size: int, references: _References) -> None:
+    def _set_layout(
+        self, layout: _Layout, size: int, references: _References, minimum_rows: int = 0
+    ) -> None:
         self._safevars_layout = layout
         self._safevars_size = size
         self._safevars_references = references
+        # With max_pending: the rows made up front, which a restore keeps (zero-padded).
+        self._safevars_minimum_rows = minimum_rows
 
     def _row_layout(self) -> tf.Tensor:
         """The pending blocks in the row layout: the ones kept by reference, then the
@@ -208,6 +212,10 @@ class _RowsVariable(resource_variable_ops.ResourceVariable):
             else:  # a graph-mode restore: the shape is known when it runs
                 rows = tf.cond(tf.shape(rows)[-1] == size, to_blocks, lambda: rows)
         rows = self._safevars_references.restore(rows)
+        minimum = self._safevars_minimum_rows
+        if minimum:  # a checkpoint with fewer rows (another max_pending, or none)
+            missing = tf.maximum(minimum - tf.shape(rows, out_type=tf.int64)[0], 0)
+            rows = tf.pad(rows, [[0, missing], [0, 0]])
         return super()._restore_from_tensors({key: rows})
 
 
@@ -397,6 +405,7 @@ class _AccumulatorBase:
     _deterministic: bool
     _nonfinite: str
     _lock_span: str
+    _max_pending: int | None
     _helpers: _Helpers
     _slots: tuple[_Slot, ...]
     _size: int
@@ -416,6 +425,8 @@ class _AccumulatorBase:
 
         @property
         def _references(self) -> int: ...  # gradient_accumulator.py
+
+        def _refuses_at_run_time(self) -> bool: ...  # gradient_accumulator.py
 
         def _strategy(self) -> tf.distribute.Strategy | None: ...  # placement.py
 
