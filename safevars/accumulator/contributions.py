@@ -65,10 +65,13 @@ class _Contributions(_AccumulatorBase):
           DTypeMismatchError: a gradient's dtype is not accepted.
           StaleGradientError: ``on_stale="raise"`` and the contribution is too stale.
           NonFiniteGradientError: ``nonfinite="raise"`` and a gradient holds NaN or Inf.
+          AccumulatorFullError: with ``max_pending``, the add would leave more than that
+            pending (inside a ``tf.function``: a run-time failure naming it).
 
         Nothing of a call that raises is accumulated and no statistic changes. (Inside a
-        ``tf.function`` with ``lock_span="step"``, a deterministic accumulator's buffer
-        may have doubled its capacity for a refused add: memory only.)
+        ``tf.function`` with ``lock_span="step"`` and no ``max_pending``, a deterministic
+        accumulator's buffer may have doubled its capacity for a refused add: memory
+        only.)
 
         Thread safety: the staleness decision and the commit of the contribution and of
         the statistics form one atomic step with respect to ``add``, ``take`` and

@@ -386,7 +386,9 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         """Bytes of accumulation state now (eager).
 
         Deterministic: 4 bytes per element per contribution the buffer has room for (at
-        least ``max(num_required, 4)``, and the most ever pending at once), plus the
+        least ``max(num_required, 4)``, and the most ever pending at once; with
+        ``max_pending``, that many, plus one spare block when a traced ``add`` may
+        refuse a contribution as it runs, see ``_refuses_at_run_time``), plus the
         padding of a contribution's last row (fewer than 1,024 elements, and only when
         some gradient has at least 65,536; then the first ``max(num_required, 4)`` are
         the blocks kept by reference, and the *sink* holding the last contribution
