@@ -20,8 +20,8 @@ from safevars import step_span
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
-from safevars.accumulator.statistics import _PENDING, _TAKES
-from safevars.errors import AccumulatorFullError, assertion_text
+from safevars.accumulator.statistics import _NUM_COUNTERS, _PENDING, _TAKEN, _TAKES
+from safevars.errors import AccumulatorFullError, AccumulatorTimeoutError, assertion_text
 from safevars.locking import Guard, graph_section, hold
 from safevars.sections import graph_inputs, record_xla_preparation
 from safevars.staleness import refuse_stale, scale_stale, version_lag
@@ -30,8 +30,12 @@ from safevars.staleness import refuse_stale, scale_stale, version_lag
 class _Commit(_AccumulatorBase):
     """The state change of ``add`` and the buffer it writes to."""
 
-    def _commit(self, parts: list[_Part]) -> int | tf.Tensor:
-        """Decides and commits contributions in one critical section."""
+    def _commit(self, parts: list[_Part], take: bool = False) -> Any:
+        """Decides and commits contributions in one critical section.
+
+        Returns the number accepted, or with ``take`` (``add_and_take``) the reduced
+        gradients of every pending contribution, taken in the same section.
+        """
         if not tf.executing_eagerly():
             # The lock waits for every tensor of the contributions (after=parts), or with
             # lock_span="step" only for what may wait or take locks (safevars.step_span).
@@ -39,9 +43,12 @@ class _Commit(_AccumulatorBase):
             if self._lock_span == "step":
                 early = step_span.opening(tf.compat.v1.get_default_graph())
             if early is None:
-                return graph_section([self._guard], lambda: self._commit_body(parts), parts)
+                result = graph_section(
+                    [self._guard], lambda: self._commit_body(parts, take=take), parts
+                )
+                return self._finish(*result) if take else result
 
-            def body() -> int | tf.Tensor:
+            def body() -> Any:
                 # The lock is taken early. The growth check runs at once, while the
                 # function still computes the gradients: it reads only the pending count
                 # and the capacity, and as an If kernel it costs a function call, which
@@ -53,30 +60,74 @@ class _Commit(_AccumulatorBase):
                 # the storage was made up front: no check.
                 grows = self._deterministic and self._max_pending is None
                 grown = self._grow_if_full(len(parts)) if grows else None
+                # add_and_take reading this contribution where it is: its reductions wait
+                # only for their own gradients (they change no state).
+                direct = self._take_directly(parts) if take else None
                 with tf.control_dependencies(graph_inputs(parts)):
-                    return self._commit_body(parts, grown)
+                    return self._commit_body(parts, grown, take, direct)
 
-            return graph_section([self._guard], body, early)
+            result = graph_section([self._guard], body, early)
+            return self._finish(*result) if take else result
+        taken = None
         if self._remote:
-            accepted = int(
-                self._run_remote(
-                    "add", lambda p: self._commit([_Part(*x) for x in p]), _as_tensors(parts)
-                )
+            name = "add_and_take" if take else "add"
+            result = self._run_remote(
+                name, lambda p: self._commit([_Part(*x) for x in p], take), _as_tensors(parts)
             )
+            if take:
+                return result
+            accepted = int(result)
         else:
             with hold([self._guard]):
-                accepted = self._commit_body(parts)
+                accepted = self._commit_body(parts, take=take)
+                taken = self._take_locked(0) if take else None
         if accepted:
             with self._arrived:
                 self._arrivals += 1
                 self._arrived.notify_all()
+        if taken is not None:
+            return self._finish(*taken)
         return int(accepted)
 
-    def _commit_body(self, parts: list[_Part], grown: tf.Tensor | None = None) -> int | tf.Tensor:
+    def _take_directly(self, parts: list[_Part]) -> tuple[Any, tf.Tensor] | None:
+        """For a traced ``add_and_take``: the reduction of the pending contributions and
+        this one, read where it is (never stored), as ``(state, pending before)``; or
+        None where the generic path (store, then take) must run.
+
+        It applies when the storage is by reference only and no contribution is decided
+        at run time: a deterministic accumulator with ``max_pending`` at most the blocks
+        kept by reference (after the room check, every pending block is one of them),
+        no staleness policy and no ``nonfinite="skip"``, one contribution in its pieces,
+        outside XLA (whose compiled calls run the generic path, checked before the call).
+        """
+        if not (self._deterministic and self._references) or len(parts) != 1:
+            return None
+        limit = self._max_pending
+        if limit is None or limit > self._references or tfi.in_xla_context():
+            return None
+        if self._max_staleness is not None or self._nonfinite == "skip":
+            return None
+        values = parts[0].values
+        if not isinstance(values, tuple):  # one flat block, gathered across workers
+            return None
+        pending = self._counters[_PENDING]
+        return self._reduce_with(values, pending), pending
+
+    def _commit_body(
+        self,
+        parts: list[_Part],
+        grown: tf.Tensor | None = None,
+        take: bool = False,
+        direct: tuple[Any, tf.Tensor] | None = None,
+    ) -> Any:
         """The state change of ``add``. Runs with the lock held (eager or graph).
 
         ``grown``: the result of :meth:`_grow_if_full` when the section ran it already
         (a graph add whose lock opens early); None to check in :meth:`_store_rows`.
+        ``take`` (``add_and_take``): with ``num_required``, refuse before anything changes
+        if fewer would be pending; in a graph also take (:meth:`_take_body`), or with
+        ``direct`` (:meth:`_take_directly`) count the reduction made from this contribution
+        without storing it, and return ``(state, pending)`` for :meth:`_finish`.
         """
         eager = tf.executing_eagerly()
         checks: list[Any] = []
@@ -111,8 +162,13 @@ class _Commit(_AccumulatorBase):
             room = self._check_room(_total(accepted), len(kept))
             if room is not None:
                 checks.append(room)
+        if take and self._num_required:
+            enough = self._check_enough(_total(accepted), self._num_required)
+            if enough is not None:
+                checks.append(enough)
         with tf.control_dependencies(checks):
-            self._apply(kept, grown)
+            if direct is None:
+                self._apply(kept, grown)
             n = _total(accepted)
             delta = [n, n, _total(dropped), _total(rejected), _total(scaled), 0, 0, 0]
             if eager and not any(isinstance(d, tf.Tensor) for d in delta):
@@ -122,8 +178,49 @@ class _Commit(_AccumulatorBase):
                 delta = tf.stack([tf.cast(d, tf.int64) for d in delta])
                 self._counters.assign_add(delta, read_value=False)
             if not eager:
-                return tf.cast(n, tf.int64)  # made to depend on the commit
-        return n
+                n = tf.cast(n, tf.int64)  # made to depend on the commit
+        if eager or not take:
+            return n
+        if direct is not None:
+            state, before = direct
+            with tf.control_dependencies(checks + tf.nest.flatten(state)):
+                pending = before + n  # n is 1: no run-time refusal on this path
+                delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64)
+                self._counters.assign_add(delta, read_value=False)
+            return state, pending
+        with tf.control_dependencies([n]):  # after the commit's counters (ordered too)
+            state, pending, _ = self._take_body(conditional=False, required=0)
+        return state, pending
+
+    def _check_enough(self, accepted: int | tf.Tensor, required: int) -> Any:
+        """``add_and_take`` with ``num_required``: refuses unless that many would be
+        pending with this contribution (lock held, before anything changes). Eagerly
+        raises AccumulatorTimeoutError; in a graph returns the assertion the commit waits
+        for."""
+        if tf.executing_eagerly():
+            pending = int(self._counters.numpy()[_PENDING]) + int(accepted)
+            if pending < required:
+                raise AccumulatorTimeoutError(
+                    f"add_and_take() found {pending} contributions pending with this one "
+                    f"but num_required={required}; nothing was added. Use add() and "
+                    "take(timeout=...) to wait for the others."
+                )
+            return None
+        total = self._counters[_PENDING] + tf.cast(accepted, tf.int64)
+        return tf.raw_ops.Assert(
+            condition=total >= required,
+            data=[
+                assertion_text(
+                    AccumulatorTimeoutError, "add_and_take() inside a tf.function found"
+                ),
+                total,
+                "contributions pending with this one but num_required =",
+                tf.constant(required, tf.int64),
+                "(nothing was added)",
+            ],
+        )
 
     def _check_room(self, accepted: int | tf.Tensor, count: int) -> Any:
         """With ``max_pending``: refuses an add that would leave more than that pending

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from safevars import _tf_internal as tfi
 from safevars._tf_internal import nest  # flatten_up_to (not in tf.nest)
 from safevars._validation import short
 from safevars.accumulator.replicas import (
@@ -81,22 +82,79 @@ class _Contributions(_AccumulatorBase):
         and inside ``strategy.run`` (one ``merge_call``: the replicas' contributions are
         committed together, in replica order).
         """
+        return self._add(gradients, version, take=False)
+
+    def add_and_take(self, gradients: Any, *, version: Any = None) -> Any:
+        """Adds one contribution and takes every pending one, it included, atomically.
+
+        What ``add(gradients, version=version)`` then ``take()`` return, as one step: no
+        ``add``, ``take`` or ``reset`` of another thread or running graph comes between
+        them, and the lock is taken once. It is the K-th micro-step of gradient
+        accumulation, where Keras' ``gradient_accumulation_steps`` applies the update::
+
+            acc = safevars.GradientAccumulator(model.trainable_variables, max_pending=4)
+            # micro-steps 1..3: acc.add(grads); micro-step 4:
+            optimizer.apply(acc.add_and_take(grads), model.trainable_variables)
+
+        Inside a ``tf.function``, when every pending contribution is kept by reference (a
+        deterministic accumulator with ``max_pending`` at most ``max(num_required, 4)``
+        and a gradient of at least 65,536 elements), with no staleness policy and
+        ``nonfinite`` not "skip", this contribution is read where it is and never
+        stored, and the reduction of each large gradient starts as soon as that
+        gradient is computed, while the backward pass computes the others (README,
+        "Results"). Otherwise it is stored, then the pending ones are reduced, in the same
+        section. The result is the same bits either way.
+
+        Args:
+          gradients: As for :meth:`add`.
+          version: As for :meth:`add`.
+
+        Returns:
+          As :meth:`take`: the mean (or sum) of every pending contribution, this one
+          included unless it was refused (dropped as stale or skipped as non-finite).
+
+        Raises:
+          AccumulatorTimeoutError: with ``num_required``, fewer than that many would be
+            pending with this contribution (inside a ``tf.function``, a run-time failure
+            naming it). Nothing is added or taken: this does not wait (use :meth:`add`
+            and ``take(timeout=...)`` for that).
+          Others: as :meth:`add` (the contribution's checks, ``max_pending``). Nothing
+            of a call that raises is added or taken.
+
+        Thread safety: one atomic step with respect to ``add``, ``take`` and ``reset`` in
+        every thread and running graph.
+
+        Modes: as :meth:`add`; inside ``strategy.run`` every replica gets the same
+        result (one ``merge_call`` adds the replicas' contributions and takes).
+        """
+        if self._num_required and not tf.executing_eagerly() and tfi.in_xla_context():
+            raise InvalidArgumentError(
+                f"add_and_take() with num_required={self._num_required} cannot run inside "
+                "an XLA-compiled function (jit_compile=True): XLA drops the run-time check "
+                "that enough contributions are pending. Use add() and take_if_ready() "
+                "(with tf.cond on its flag), or num_required=0."
+            )
+        return self._add(gradients, version, take=True)
+
+    def _add(self, gradients: Any, version: Any, take: bool) -> Any:
+        """``add`` (the number accepted) or, with ``take``, ``add_and_take``."""
         self._leaves(gradients)  # the structure first: a clean error, nothing changed
         strategy = self._strategy()
         replica = _replica_context()
         if replica is not None:
             if _spans_workers(strategy):
-                return self._add_across_workers(replica, gradients, version)
+                return self._add_across_workers(replica, gradients, version, take)
             part = self._prepare(gradients, version)
-            return replica.merge_call(self._merge_add, args=(tuple(part),))
+            return replica.merge_call(self._merge_add, args=(tuple(part), take))
         owner = strategy if strategy is not None else self._helpers.strategy
         if owner is not None and _spans_workers(owner) and _holds_distributed(gradients, version):
             # This worker holds only its own replicas' values: add them in replica
             # context, where every worker's are gathered.
             with owner.scope():
-                counts = owner.run(lambda g, v: self.add(g, version=v), args=(gradients, version))
-            return owner.experimental_local_results(counts)[0]
-        return self._commit([self._prepare(g, version) for g in _per_replica(gradients)])
+                results = owner.run(lambda g, v: self._add(g, v, take), args=(gradients, version))
+            local = owner.experimental_local_results(results)[0]
+            return local
+        return self._commit([self._prepare(g, version) for g in _per_replica(gradients)], take)
 
     def _prepare(self, gradients: Any, version: Any) -> _Part:
         """Validates one contribution and computes its tensors (outside the lock)."""

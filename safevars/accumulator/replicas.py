@@ -23,14 +23,18 @@ from safevars.accumulator.state import _AccumulatorBase, _Part
 class _Replicas(_AccumulatorBase):
     """``add`` inside ``strategy.run``: one commit for all replicas (of every worker)."""
 
-    def _merge_add(self, strategy: tf.distribute.Strategy, part: tuple) -> Any:
+    def _merge_add(self, strategy: tf.distribute.Strategy, part: tuple, take: bool = False) -> Any:
         replicas = strategy.num_replicas_in_sync  # all local: no replica on other workers
         fields = [_local_values(x, replicas) for x in part]
         parts = [_Part(*(f[r] for f in fields)) for r in range(replicas)]
-        return self._commit(parts)
+        return self._commit(parts, take)
 
     def _add_across_workers(
-        self, ctx: tf.distribute.ReplicaContext, gradients: Any, version: Any
+        self,
+        ctx: tf.distribute.ReplicaContext,
+        gradients: Any,
+        version: Any,
+        take: bool = False,
     ) -> Any:
         """``add`` in a replica of a strategy whose replicas span processes.
 
@@ -114,7 +118,7 @@ class _Replicas(_AccumulatorBase):
                         version_r,
                     )
                 )
-            return self._commit(parts)
+            return self._commit(parts, take)
 
         return ctx.merge_call(merge, args=(tuple(gathered),))
 

@@ -384,6 +384,8 @@ class _Helpers:
         self.variables = variables
         self.structure = structure
         self.remote_functions: dict[str, Callable[..., Any]] = {}
+        # add_and_take's compiled reduction of each piece of the layout (take.py).
+        self.piece_reducers: dict[int, Callable[..., Any]] = {}
         # The strategy in whose scope the accumulator was created, if any.
         self.strategy: tf.distribute.Strategy | None = (
             tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
@@ -440,12 +442,28 @@ class _AccumulatorBase:
             self, entries: tuple, elements: Any, values: Any, finite: Any, in_range: Any
         ) -> tuple[Any, Any, Any]: ...
 
-        def _commit(self, parts: list[_Part]) -> int | tf.Tensor: ...  # commit.py
+        def _commit(self, parts: list[_Part], take: bool = False) -> Any: ...  # commit.py
 
-        def _merge_add(self, strategy: tf.distribute.Strategy, part: tuple) -> Any: ...
+        def _take_locked(self, required: int) -> tuple[Any, int] | None: ...  # take.py
+
+        def _take_body(
+            self, conditional: bool, required: int
+        ) -> tuple[Any, tf.Tensor, tf.Tensor]: ...
+
+        def _reduce_with(self, pieces: tuple[tf.Tensor, ...], pending: tf.Tensor) -> tuple: ...
+
+        def _finish(self, state: Any, pending: int | tf.Tensor) -> Any: ...
+
+        def _merge_add(
+            self, strategy: tf.distribute.Strategy, part: tuple, take: bool = False
+        ) -> Any: ...
 
         def _add_across_workers(  # replicas.py
-            self, ctx: tf.distribute.ReplicaContext, gradients: Any, version: Any
+            self,
+            ctx: tf.distribute.ReplicaContext,
+            gradients: Any,
+            version: Any,
+            take: bool = False,
         ) -> Any: ...
 
 

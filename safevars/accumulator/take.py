@@ -205,6 +205,33 @@ class _Take(_AccumulatorBase):
             pending = tf.constant(count, tf.int64)
         return self._helpers.reduce(tf.zeros(shape, tf.float32), pending)
 
+    def _reduce_with(self, pieces: tuple[tf.Tensor, ...], pending: tf.Tensor) -> tuple:
+        """``add_and_take``'s reduction, lock held (:meth:`_Commit._take_directly`): for
+        each piece of the layout, ``pieces[k]`` (the contribution being added, which is
+        not stored) and piece ``k`` of the first ``pending`` blocks kept by reference,
+        reduced and divided as :meth:`_reduce_math` does. One XLA-compiled call per piece,
+        waiting only for that piece: a large gradient's reduction runs while the backward
+        pass computes the others (Keras adds each gradient as it comes, too)."""
+        count = tf.cast(pending, tf.int64) + 1
+        return tuple(self._piece_reducer(k)(count, piece) for k, piece in enumerate(pieces))
+
+    def _piece_reducer(self, k: int) -> Any:
+        """The compiled reduction of piece ``k`` for :meth:`_reduce_with` (made once)."""
+        reducers = self._helpers.piece_reducers
+        if k not in reducers:
+            blocks = [block[k] for block in self._helpers.references.blocks]
+
+            def reduce(count: tf.Tensor, piece: tf.Tensor) -> tf.Tensor:
+                # Row 0 is the new contribution, rows 1.. the blocks kept by reference
+                # (the first count - 1 of them pending): the order does not change a bit.
+                leading = [tf.reshape(piece, [-1])]
+                leading += [tf.reshape(block.read_value(), [-1]) for block in blocks]
+                none = tf.zeros([0, leading[0].shape[0]], tf.float32)
+                return self._divide(_reproducible_sum(none, count, leading), count)
+
+            reducers[k] = tf.function(reduce, autograph=False, jit_compile=True)
+        return reducers[k]
+
     def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
         # One contribution's block per row: [capacity, chunks * width].
         buffer = tf.reshape(
@@ -230,55 +257,9 @@ class _Take(_AccumulatorBase):
     def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
         if required is None:
             required = self._num_required or (1 if conditional else 0)
-
-        def body() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-            pending = self._counters[_PENDING]
-            ready = pending >= max(required, 1) if conditional else tf.constant(True)
-            checks = []
-            if required and not conditional:
-                checks.append(
-                    tf.debugging.Assert(
-                        pending >= required,
-                        [
-                            assertion_text(
-                                AccumulatorTimeoutError, "take() inside a tf.function found"
-                            ),
-                            pending,
-                            "contributions pending but num_required =",
-                            required,
-                            "(they are kept)",
-                        ],
-                    )
-                )
-            with tf.control_dependencies(checks):
-                if not self._deterministic:
-                    state = self._state.read_value()
-                elif conditional:
-                    state = tf.cond(ready, lambda: self._reduce_rows(pending), self._flat_zeros)
-                else:
-                    state = self._reduce_rows(pending)
-
-            def reset() -> tf.Tensor:
-                with tf.control_dependencies(tf.nest.flatten(state)):
-                    if not self._deterministic:
-                        self._state.assign(
-                            tf.zeros(self._state.shape, self._state.dtype), read_value=False
-                        )
-                    delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
-                    delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
-                    delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * tf.cast(
-                        pending > 0, tf.int64
-                    )
-                    self._counters.assign_add(delta, read_value=False)
-                    return tf.constant(True)
-
-            if conditional:
-                done = tf.cond(ready, reset, lambda: tf.constant(False))
-            else:
-                done = reset()
-            return state, pending, done
-
-        state, pending, ready = graph_section([self._guard], body)
+        state, pending, ready = graph_section(
+            [self._guard], lambda: self._take_body(conditional, required)
+        )
         if conditional and not self._deterministic:
             grads = tf.cond(
                 ready,
@@ -287,6 +268,55 @@ class _Take(_AccumulatorBase):
             )
             return ready, tf.nest.pack_sequence_as(self._helpers.structure, list(grads))
         return ready, self._finish(state, pending)
+
+    def _take_body(self, conditional: bool, required: int) -> tuple[Any, tf.Tensor, tf.Tensor]:
+        """The state change of a traced take (lock held): ``(state, pending, taken)``,
+        ``state`` for :meth:`_finish` (zeros if nothing was taken, ``conditional``)."""
+        pending = self._counters[_PENDING]
+        ready = pending >= max(required, 1) if conditional else tf.constant(True)
+        checks = []
+        if required and not conditional:
+            checks.append(
+                tf.debugging.Assert(
+                    pending >= required,
+                    [
+                        assertion_text(
+                            AccumulatorTimeoutError, "take() inside a tf.function found"
+                        ),
+                        pending,
+                        "contributions pending but num_required =",
+                        required,
+                        "(they are kept)",
+                    ],
+                )
+            )
+        with tf.control_dependencies(checks):
+            if not self._deterministic:
+                state = self._state.read_value()
+            elif conditional:
+                state = tf.cond(ready, lambda: self._reduce_rows(pending), self._flat_zeros)
+            else:
+                state = self._reduce_rows(pending)
+
+        def reset() -> tf.Tensor:
+            with tf.control_dependencies(tf.nest.flatten(state)):
+                if not self._deterministic:
+                    self._state.assign(
+                        tf.zeros(self._state.shape, self._state.dtype), read_value=False
+                    )
+                delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+                delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * tf.cast(
+                    pending > 0, tf.int64
+                )
+                self._counters.assign_add(delta, read_value=False)
+                return tf.constant(True)
+
+        if conditional:
+            done = tf.cond(ready, reset, lambda: tf.constant(False))
+        else:
+            done = reset()
+        return state, pending, done
 
     def _rows(self) -> tf.Tensor:
         """A deterministic accumulator's blocks in the row layout: the ones kept by
