@@ -154,6 +154,19 @@ class TestParameterServer:
         # Saved: rows 0, 1, 2 from the workers and row 0 added on the coordinator.
         np.testing.assert_array_equal(ckpt["restored"], ones[[0, 1, 2, 0]].sum(axis=0))
 
+    def test_add_and_take_from_workers_and_coordinator_takes_each_once(self, clusters):
+        run = clusters["ps"]["add_and_take"]
+        pairs = run["pairs"]
+        ones = counted_contributions(PS_WORKERS * PS_ROUNDS)
+        # Every contribution added (2 per scheduled call, then rows 0 and 1 again on the
+        # coordinator) is in exactly one of the takes: integer values, exact sums.
+        total = np.add(np.add(run["scheduled_taken"], run["coordinator"]), run["rest"])
+        expected = ones[: 2 * pairs].sum(axis=0) + ones[0] + ones[1]
+        np.testing.assert_array_equal(total, expected)
+        stats = run["statistics"]  # pending, added, ..., taken, takes
+        assert stats[0] == 0 and stats[1] == stats[5] == 2 * pairs + 2
+        assert stats[6] >= pairs + 1  # one take per add_and_take (the last take may be empty)
+
     def test_an_accumulator_the_workers_cannot_reach_is_refused(self, clusters):
         errors = clusters["ps"]["errors"]
         for case in ("eager_in_scope", "scheduled"):

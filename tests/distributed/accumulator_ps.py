@@ -204,6 +204,29 @@ def main() -> None:
         pending_after_restore = counted.count
         restored = counted.take()
 
+    # -- 4b. add_and_take: scheduled on every worker at once, and on the coordinator -----
+    # Each scheduled call adds one contribution and adds-and-takes the next: at most one
+    # add per worker and one more are pending, so max_pending=4 never refuses (and with
+    # --blocks every pending block is kept by reference: the direct path, on the PS).
+
+    with strategy.scope():
+        capped = GradientAccumulator(params, reduction="sum", max_pending=4)
+
+    @tf.function
+    def add_then_take(i):
+        capped.add(split(tf.gather(ones, 2 * i)))
+        return capped.add_and_take(split(tf.gather(ones, 2 * i + 1)))
+
+    pairs = workers * 4
+    pair_results = [
+        coordinator.schedule(add_then_take, args=(tf.constant(i),)) for i in range(pairs)
+    ]
+    coordinator.join()
+    pair_taken = [np.concatenate([np.ravel(x) for x in r.fetch()]) for r in pair_results]
+    capped.add(split(ones[0]))
+    coordinator_pair = capped.add_and_take(split(ones[1]))  # the PS's section, eagerly
+    capped_rest = capped.take()
+
     # -- 5. Refused uses (last: a failed schedule leaves the coordinator's flag set) ------
 
     @tf.function
@@ -263,6 +286,17 @@ def main() -> None:
                     ).tolist(),
                 },
                 "errors": errors,
+                "add_and_take": {
+                    "pairs": pairs,
+                    "scheduled_taken": np.sum(pair_taken, axis=0).tolist(),
+                    "coordinator": np.concatenate(
+                        [coordinator_pair[0].numpy().ravel(), coordinator_pair[1].numpy()]
+                    ).tolist(),
+                    "rest": np.concatenate(
+                        [capped_rest[0].numpy().ravel(), capped_rest[1].numpy()]
+                    ).tolist(),
+                    "statistics": list(capped.statistics()),
+                },
             }
         )
     )
