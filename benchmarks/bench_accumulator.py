@@ -17,16 +17,23 @@ Variants:
 * ``keras gradient_accumulation_steps`` (baseline): ``keras.optimizers.SGD(...,
   gradient_accumulation_steps=4)`` and ``optimizer.apply(grads)`` every micro-step (its
   accumulators are plain variables, updated with a separate read and assign).
-* ``GradientAccumulator``: ``acc.add(grads)`` every micro-step and ``acc.take()`` then
-  ``SGD.apply`` at the K-th, with ``deterministic=True`` (order-independent result) and
-  ``max_pending=4``: like Keras' ``gradient_accumulation_steps=4``, it declares how many
-  contributions accumulate, so the storage is made up front and a traced ``add`` has no
-  growth check (goal: at most 1.10× the baseline per micro-step, for both models).
-* ``GradientAccumulator(max_pending=None)``: the same with the default, unbounded
-  storage, whose traced ``add`` checks for room and grows it if needed (one ``If``
-  kernel per ``add``).
-* ``GradientAccumulator(deterministic=False)``: a float32 running sum, ``max_pending``
-  not set.
+* ``GradientAccumulator``: ``acc.add(grads)`` at micro-steps 1 to K - 1 and
+  ``acc.add_and_take(grads)`` then ``SGD.apply`` at the K-th, with
+  ``deterministic=True`` (order-independent result) and ``max_pending=4``: like Keras'
+  ``gradient_accumulation_steps=4``, it declares how many contributions accumulate, so
+  the storage is made up front, a traced ``add`` has no growth check, and on mlp2x1024
+  (every pending contribution kept by reference) ``add_and_take`` reads the K-th
+  contribution where it is and reduces each large gradient as soon as it is computed,
+  beside the rest of the backward pass (goal: at most 1.10× the baseline per
+  micro-step, for both models).
+* ``GradientAccumulator(add, take)``: the same accumulator (``max_pending=4``), with
+  ``acc.add(grads)`` then ``acc.take()`` at the K-th micro-step: two sections, the
+  contribution stored, one reduction after the last gradient.
+* ``GradientAccumulator(max_pending=None)``: ``add`` then ``take`` with the default,
+  unbounded storage, whose traced ``add`` checks for room and grows it if needed (one
+  ``If`` kernel per ``add``).
+* ``GradientAccumulator(deterministic=False)``: a float32 running sum, ``add`` then
+  ``take``, ``max_pending`` not set.
 
 Where the extra time of ``deterministic=True`` goes (measured on one core with other
 processes running, per K = 4 micro-steps, after the block layout of
@@ -44,7 +51,16 @@ XLA-compiled pass over the K pending blocks, in place (the reproducible summatio
 for mlp2x128, with the two-level grid; since 2026-11-27 K <= 4 contributions are
 summed by sorting them instead, about 0.8 ms per take for mlp2x1024 under the
 profiler, as long as a plain compiled sum of the same rows: memory-bound), and cuts the
-flat result into the variables' tensors outside it, as views. Both accumulator variants also pay for one critical section per call and
+flat result into the variables' tensors outside it, as views. Since 2026-11-27 (later)
+the goal variant's K-th micro-step is one ``add_and_take``: on mlp2x1024 each large
+gradient's reduction is its own compiled call, started as soon as that gradient is
+computed (beside the rest of the backward pass) and reading the K-th contribution where
+it is, and the sorted sum lost its TwoSum error terms (one float64 sum in a fixed order).
+Against Keras, three processes of 30 rotated rounds: ``add`` then ``take`` 1.124x,
+``add_and_take`` 1.100x; ``add_and_take`` 1.107x, and 1.031x with no reproducible
+arithmetic at all (a plain sum: measurement only); with the TwoSum terms 1.081x,
+without them 1.048x. The reductions run beside the backward pass, where every operation
+competes with it for the two cores. Both accumulator variants also pay for one critical section per call and
 mlp2x128's concatenation of its small gradients.
 
 Measured by ablation after round 2 (one core, other processes running, per micro-step;
@@ -171,7 +187,11 @@ def _keras_variant(spec: Model, batches: list) -> Callable[[], None]:
 
 
 def _accumulator_variant(
-    spec: Model, batches: list, deterministic: bool, max_pending: int | None = None
+    spec: Model,
+    batches: list,
+    deterministic: bool,
+    max_pending: int | None = None,
+    fused: bool = False,
 ) -> tuple[Callable[[], None], int]:
     model = _model(spec)
     optimizer = keras.optimizers.SGD(0.01)
@@ -186,9 +206,12 @@ def _accumulator_variant(
 
     @tf.function(autograph=False)
     def last_micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        added = acc.add(_gradients(model, x, y))
-        with tf.control_dependencies([added]):
-            grads = acc.take()
+        if fused:
+            grads = acc.add_and_take(_gradients(model, x, y))
+        else:
+            added = acc.add(_gradients(model, x, y))
+            with tf.control_dependencies([added]):
+                grads = acc.take()
         optimizer.apply(grads, model.trainable_variables)
         return optimizer.iterations
 
@@ -205,6 +228,9 @@ def _case(ctx: Context, spec: Model) -> Case:
         batches = _batches(spec)
         keras_call = _keras_variant(spec, batches)
         exact_call, exact_bytes = _accumulator_variant(
+            spec, batches, deterministic=True, max_pending=MICRO_STEPS, fused=True
+        )
+        separate_call, _ = _accumulator_variant(
             spec, batches, deterministic=True, max_pending=MICRO_STEPS
         )
         growing_call, _ = _accumulator_variant(spec, batches, deterministic=True)
@@ -216,6 +242,7 @@ def _case(ctx: Context, spec: Model) -> Case:
         variants={
             "keras gradient_accumulation_steps": keras_call,
             "GradientAccumulator": exact_call,
+            "GradientAccumulator(add, take)": separate_call,
             "GradientAccumulator(max_pending=None)": growing_call,
             "GradientAccumulator(deterministic=False)": float_call,
         },

@@ -12,9 +12,10 @@ How determinism is achieved (``deterministic=True``):
   * **Up to four** (:func:`_sorted_sum`; the common case: accumulating K <= 4
     micro-batches): each element's values are put in ascending order by a sorting
     network (five elementwise minimum/maximum pairs: the sorted values are the same
-    whatever order they came in) and added in float64 in that order, each addition's
-    rounding error kept exactly (Knuth's TwoSum) and added back at the end. The float64
-    sum is within one rounding plus ``2**-98`` of the largest value of the exact sum.
+    whatever order they came in) and added in float64 in a fixed order, the smallest
+    and the largest first: ``(x0 + x3) + (x1 + x2)``. The float64 sum differs from the
+    exact one by at most ``2**-53`` of the exact sum plus ``2**-51`` of the largest
+    magnitude.
   * **More** (:func:`_grid_sum`): a two-level *reproducible summation* (after Demmel
     and Nguyen, "Fast Reproducible Floating-Point Summation", ARITH 2013): for each
     element, with ``M`` the largest magnitude among its values (a maximum does not
@@ -31,10 +32,16 @@ How determinism is achieved (``deterministic=True``):
   or an order-free sort, so the result depends only on the multiset of contributions,
   not on their order, their rows, the summation order TensorFlow or XLA picks, or the
   device; and it is within float32 rounding of the exact mean unless the contributions
-  cancel to below about ``2**-60`` of their largest value (``2**-70`` for up to four).
+  cancel to below about ``2**-60`` of their largest value (``2**-26`` for up to four:
+  a float32 running sum, Keras' accumulator, is off by a float32 rounding per addition).
   The sorted sum replaced the grid for up to four contributions on 2026-11-27: in one
   process, per micro-step of the accumulator benchmark against Keras, 1.163x -> 1.128x
-  (1.3M parameters) and 1.122x -> 1.098x (26K), 40 rotated rounds each. The reduction is
+  (1.3M parameters) and 1.122x -> 1.098x (26K), 40 rotated rounds each. It kept each
+  addition's rounding error exactly (Knuth's TwoSum) until the same day, for a sum
+  within one float64 rounding plus ``2**-98`` of the largest value; that arithmetic made
+  the 1.3M model's ``add_and_take`` micro-steps 1.08-1.11x Keras against 1.03-1.05x
+  without it (its reductions run beside the backward pass, where each operation
+  competes with it for the cores). The reduction is
   one XLA-compiled function (``jit_compile=True``) that reads the buffer in place, under
   the lock; the grid combines four rows at a time by elementwise ops, so that up to four
   contributions would be a single vectorized pass; XLA does not change the result.
@@ -118,39 +125,38 @@ def _reproducible_sum(
     )
 
 
-def _two_sum(a: tf.Tensor, b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``a + b`` rounded, and its rounding error, exactly (Knuth's TwoSum: no
-    condition on the magnitudes; float64, finite)."""
-    s = a + b
-    b_part = s - a
-    return s, (a - (s - b_part)) + (b - b_part)
-
-
 def _sorted_sum(values: Sequence[tf.Tensor], count: tf.Tensor) -> tf.Tensor:
     """Per-element sums of ``values[:count]`` (float32 ``[n]`` each, ``count`` at most
     :data:`_SORTED`), independent of their order.
 
-    The values past ``count`` are replaced by -0.0 (the identity of IEEE addition:
-    ``x + -0.0`` is ``x`` for every ``x``, +0.0 included), each element's values are
+    The values past ``count`` and every zero are made +0.0, each element's values are
     put in ascending order by :data:`_NETWORK` (a sorting network: elementwise
     minima and maxima, so the sorted row is the same whatever order the values came
-    in; equal values are the same bits but for +0.0 and -0.0, whose order does not
-    change a sum), then added in float64 in that order, each addition's rounding
-    error kept exactly (:func:`_two_sum`) and added back once at the end. Where a
-    value is not finite the result is their plain sum (NaN, or an infinity), which
-    does not depend on the order; minima and maxima are not relied on for NaN
-    (TensorFlow's CPU kernels may drop it).
+    in; equal values are then the same bits: with -0.0 and +0.0 both present, a
+    minimum and a maximum may return the same one of them, TensorFlow's CPU kernels
+    do, and the sum's sign would depend on the order), then added in float64 in a fixed
+    order, ``(x0 + x3) + (x1 + x2)``: the smallest and the largest first, so that
+    opposite values cancel before anything else is added (``1 + 2**-110 - 1`` is
+    ``2**-110`` exactly). Three roundings: the sum differs from the exact one by at
+    most ``2**-53`` of the exact sum plus ``2**-51`` of the largest magnitude (each
+    pair's sum is at most twice it).
+    Keeping the roundings' errors (TwoSum) would bring that to one rounding plus
+    ``2**-98``, at about 20 more float64 operations per element (the module
+    docstring says what they cost). Where a value is not finite the result is their plain
+    sum (NaN, or an infinity), which does not depend on the order; minima and maxima
+    are not relied on for NaN (TensorFlow's CPU kernels may drop it). A sum of zeros is
+    +0.0, -0.0 ones included.
     """
-    minus_zero = tf.constant(-0.0, tf.float64)
-    xs = [tf.where(j < count, tf.cast(x, tf.float64), minus_zero) for j, x in enumerate(values)]
+    zero = tf.constant(0.0, tf.float64)
+    xs = [
+        tf.where((j < count) & (x != 0), tf.cast(x, tf.float64), zero)
+        for j, x in enumerate(values)
+    ]
     plain = functools.reduce(tf.add, xs)  # finite exactly when every value is
     for i, j in _NETWORK:
         xs[i], xs[j] = tf.minimum(xs[i], xs[j]), tf.maximum(xs[i], xs[j])
-    total, errors = _two_sum(xs[0], xs[1])
-    for x in xs[2:]:
-        total, error = _two_sum(total, x)
-        errors += error
-    return tf.where(tf.math.is_finite(plain), total + errors, plain)
+    total = (xs[0] + xs[3]) + (xs[1] + xs[2])
+    return tf.where(tf.math.is_finite(plain), total, plain)
 
 
 def _grid_sum(rows: tf.Tensor, count: tf.Tensor, leading: Sequence[tf.Tensor] = ()) -> tf.Tensor:
