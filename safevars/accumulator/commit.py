@@ -343,8 +343,8 @@ class _Commit(_AccumulatorBase):
             checks = []
             if limit is not None:
                 checks.append(_room_assertion(self._counters[_PENDING], count, limit))
-            if not self._deterministic:
-                return checks[0]
+            if not self._deterministic:  # only checks (recorded with max_pending)
+                return checks[0] if checks else None
             with tf.control_dependencies(checks):
                 return self._grow_if_full(count, minimum=minimum)
         if limit is not None:

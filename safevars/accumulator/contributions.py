@@ -152,8 +152,7 @@ class _Contributions(_AccumulatorBase):
             # context, where every worker's are gathered.
             with owner.scope():
                 results = owner.run(lambda g, v: self._add(g, v, take), args=(gradients, version))
-            local = owner.experimental_local_results(results)[0]
-            return local
+            return owner.experimental_local_results(results)[0]
         return self._commit([self._prepare(g, version) for g in _per_replica(gradients)], take)
 
     def _prepare(self, gradients: Any, version: Any) -> _Part:

@@ -154,9 +154,9 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         run-time failure naming it, and before an XLA-compiled call that may add more
         than fit, when it is called); ``take`` or ``reset`` make room. A deterministic
         accumulator then allocates its storage for that many up front and never grows
-        it, so a traced ``add`` has no growth check (a conditional, about 10 µs per
-        ``add`` on the 2-core development machine: README, "Results"). None (default):
-        no limit; the storage grows as needed.
+        it, so a traced ``add`` has no growth check (an ``If`` kernel, a function call
+        at every ``add``: README, "Results"). None (default): no limit; the storage
+        grows as needed.
       lock_span: When an ``add`` traced in a ``tf.function`` takes the lock. ``"step"``
         (default): as early as the function allows, once every op traced before the
         ``add`` that may wait or take other locks (a Python function, an iterator, a
