@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from safevars import _tf_internal as tfi
 from safevars._tf_internal import nest  # flatten_up_to (not in tf.nest)
 from safevars._validation import short
 from safevars.accumulator.replicas import (
@@ -127,13 +126,7 @@ class _Contributions(_AccumulatorBase):
         Modes: as :meth:`add`; inside ``strategy.run`` every replica gets the same
         result (one ``merge_call`` adds the replicas' contributions and takes).
         """
-        if self._num_required and not tf.executing_eagerly() and tfi.in_xla_context():
-            raise InvalidArgumentError(
-                f"add_and_take() with num_required={self._num_required} cannot run inside "
-                "an XLA-compiled function (jit_compile=True): XLA drops the run-time check "
-                "that enough contributions are pending. Use add() and take_if_ready() "
-                "(with tf.cond on its flag), or num_required=0."
-            )
+        self._refuse_num_required_under_xla("add_and_take()", "add() and take_if_ready()")
         return self._add(gradients, version, take=True)
 
     def _add(self, gradients: Any, version: Any, take: bool) -> Any:

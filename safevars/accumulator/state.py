@@ -446,6 +446,8 @@ class _AccumulatorBase:
 
         def _take_locked(self, required: int) -> tuple[Any, int] | None: ...  # take.py
 
+        def _refuse_num_required_under_xla(self, what: str, instead: str) -> None: ...
+
         def _take_body(
             self, conditional: bool, required: int
         ) -> tuple[Any, tf.Tensor, tf.Tensor]: ...

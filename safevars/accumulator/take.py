@@ -72,15 +72,7 @@ class _Take(_AccumulatorBase):
         changes). Inside ``strategy.run`` one replica-synchronous take returns the same
         result to every replica.
         """
-        if self._num_required and not tf.executing_eagerly() and tfi.in_xla_context():
-            # The check that enough are pending is a run-time assertion, which XLA drops
-            # ("Ignoring Assert operator"): the take would go ahead with fewer.
-            raise InvalidArgumentError(
-                f"take() with num_required={self._num_required} cannot run inside an "
-                "XLA-compiled function (jit_compile=True): XLA drops the run-time check "
-                "that enough contributions are pending, and the take would go ahead with "
-                "fewer. Use take_if_ready() (with tf.cond on its flag), or num_required=0."
-            )
+        self._refuse_num_required_under_xla("take()", "take_if_ready()")
         self._strategy()
         replica = _replica_context()
         if replica is not None:
@@ -88,6 +80,19 @@ class _Take(_AccumulatorBase):
         if tf.executing_eagerly():
             return self._take_eager(timeout)
         return self._take_graph(conditional=False)[1]
+
+    def _refuse_num_required_under_xla(self, what: str, instead: str) -> None:
+        """``what`` with ``num_required`` inside an XLA-compiled function: refused when
+        traced (nothing changes). The check that enough are pending is a run-time
+        assertion, which XLA drops ("Ignoring Assert operator"): it would go ahead with
+        fewer."""
+        if self._num_required and not tf.executing_eagerly() and tfi.in_xla_context():
+            raise InvalidArgumentError(
+                f"{what} with num_required={self._num_required} cannot run inside an "
+                "XLA-compiled function (jit_compile=True): XLA drops the run-time check "
+                "that enough contributions are pending, and it would go ahead with "
+                f"fewer. Use {instead} (with tf.cond on its flag), or num_required=0."
+            )
 
     def _take_now(self, required: int) -> Any | None:
         """Eager: takes if ``required`` are pending (and at least one, if required > 0);
