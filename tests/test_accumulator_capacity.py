@@ -186,3 +186,29 @@ def test_a_checkpoint_with_fewer_rows_restores_into_the_full_storage(tmp_path):
 def test_the_error_is_exported():
     assert safevars.AccumulatorFullError is AccumulatorFullError
     assert issubclass(AccumulatorFullError, safevars.SafeVarsError)
+
+
+@pytest.mark.usefixtures("layout")
+@pytest.mark.parametrize("limit", [3, 5])  # "blocks": 3 all by reference; 5 past them
+def test_replicas_refused_at_run_time_fit_a_full_accumulator(mirrored_strategy, limit):
+    """Every replica's contribution refused when the graph runs (non-finite, skipped),
+    with max_pending already reached: no failure, nothing added, their rows all go to
+    the one spare block (or the sink, for blocks kept by reference)."""
+    with mirrored_strategy.scope():
+        v = tf.Variable(tf.zeros(SHAPE))
+        acc = GradientAccumulator([v], max_pending=limit, nonfinite="skip", reduction="sum")
+    for i in range(limit):
+        acc.add([tf.fill(SHAPE, float(i + 1))])
+
+    @tf.function(autograph=False)
+    def step(value):
+        return mirrored_strategy.run(lambda: acc.add([tf.fill(SHAPE, value)]))
+
+    replicas = mirrored_strategy.num_replicas_in_sync
+    assert replicas >= 2
+    added = mirrored_strategy.experimental_local_results(step(tf.constant(np.nan)))
+    assert added and all(int(a) == 0 for a in added)  # none accepted
+    stats = acc.statistics()
+    assert stats.pending == limit and stats.rejected == replicas
+    total = limit * (limit + 1) / 2
+    np.testing.assert_array_equal(acc.take()[0], np.full(SHAPE, total))
