@@ -56,7 +56,7 @@ def bits(result) -> list[bytes]:
 class TestSameAsAddThenTake:
     @pytest.mark.parametrize("run", ["eager", "tf_function", "xla"])
     @pytest.mark.parametrize("max_pending", [None, 4])
-    def test_same_bits_and_statistics_in_every_order(self, run, max_pending):
+    def test_same_bits_and_statistics_in_six_arrival_orders(self, run, max_pending):
         grads = contributions(4, seed=3)
         reference = GradientAccumulator(variables())
         for g in grads:
