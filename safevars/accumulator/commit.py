@@ -228,19 +228,25 @@ class _Commit(_AccumulatorBase):
         graph returns the assertion the commit waits for. Inside an XLA-compiled function,
         which drops assertions, the check runs before the call instead, for the
         ``count`` contributions it may add (:meth:`_prepare_rows`); returns None then."""
-        limit = cast(int, self._max_pending)
-        if tf.executing_eagerly():
-            pending = int(self._counters.numpy()[_PENDING])
-            if pending + int(accepted) > limit:
-                raise AccumulatorFullError(_full_message(pending, int(accepted), limit))
-            return None
-        if tfi.in_xla_context():
+        if not tf.executing_eagerly() and tfi.in_xla_context():
             if not self._deterministic:  # a deterministic add records it with its rows
                 record_xla_preparation(
                     self, self._prepare_rows, count, "GradientAccumulator.add()"
                 )
             return None
-        return _room_assertion(self._counters[_PENDING], accepted, limit)
+        return self._room_for(accepted, "the add would add")
+
+    def _room_for(self, count: int | tf.Tensor, what: str) -> Any:
+        """Refuses unless ``count`` more contributions fit within ``max_pending`` (lock
+        held): eagerly raises AccumulatorFullError (``what`` names the ``count``) and
+        returns None; in a graph returns the assertion."""
+        limit = cast(int, self._max_pending)
+        if tf.executing_eagerly():
+            pending = int(self._counters.numpy()[_PENDING])
+            if pending + int(count) > limit:
+                raise AccumulatorFullError(_full_message(pending, int(count), limit, what))
+            return None
+        return _room_assertion(self._counters[_PENDING], count, limit)
 
     def _staleness(self, part: _Part) -> Any:
         if part.version_kind == "none" or self._max_staleness is None:
@@ -338,23 +344,15 @@ class _Commit(_AccumulatorBase):
         not fit (eagerly AccumulatorFullError; in a graph an assertion the growth
         waits for); a running sum only checks."""
         minimum = self._layout.chunks if self._references else 0
-        limit = self._max_pending
+        check = None
+        if self._max_pending is not None:
+            check = self._room_for(count, "the XLA-compiled call may add")
+        if not self._deterministic:  # only the check (recorded with max_pending)
+            return check
         if not tf.executing_eagerly():
-            checks = []
-            if limit is not None:
-                checks.append(_room_assertion(self._counters[_PENDING], count, limit))
-            if not self._deterministic:  # only checks (recorded with max_pending)
-                return checks[0] if checks else None
-            with tf.control_dependencies(checks):
+            with tf.control_dependencies([] if check is None else [check]):
                 return self._grow_if_full(count, minimum=minimum)
-        if limit is not None:
-            pending = int(self._counters.numpy()[_PENDING])
-            if pending + count > limit:
-                raise AccumulatorFullError(
-                    _full_message(pending, count, limit, "the XLA-compiled call may add")
-                )
-        if self._deterministic:
-            self._grow_eagerly(count, minimum)
+        self._grow_eagerly(count, minimum)
         return None
 
     def _grow_eagerly(self, count: int, minimum: int = 0) -> int:
@@ -493,7 +491,7 @@ class _Commit(_AccumulatorBase):
         return int(takes) if tf.executing_eagerly() else takes
 
 
-def _full_message(pending: int, count: int, limit: int, what: str = "the add would add") -> str:
+def _full_message(pending: int, count: int, limit: int, what: str) -> str:
     return (
         f"{pending} contributions are pending and {what} {count}: more than "
         f"max_pending={limit}. Nothing was accumulated; take() or reset() makes room, or "
