@@ -10,6 +10,7 @@ Decisions are Python values eagerly and tensors in a graph: one code path for bo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -81,10 +82,9 @@ class _Commit(_AccumulatorBase):
             with hold([self._guard]):
                 accepted = self._commit_body(parts, take=take)
                 taken = self._take_locked(0) if take else None
-        if accepted:
-            with self._arrived:
-                self._arrivals += 1
-                self._arrived.notify_all()
+        if accepted:  # wake the eager takes waiting on the current event
+            arrived, self._arrival = self._arrival, threading.Event()
+            arrived.set()
         if taken is not None:
             return self._finish(*taken)
         return int(accepted)

@@ -341,8 +341,12 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         # State on a parameter server: eager calls (on the coordinator) run as
         # tf.functions, whose critical section runs there (see _run_remote).
         self._remote = on_parameter_server(self._state.device)
-        self._arrived = threading.Condition()
-        self._arrivals = 0
+        # Set, and replaced by a fresh one, at each eager arrival (commit.py): what an
+        # eager take waits on (take.py). An event, not a condition: an interrupt right
+        # after a ``with condition:`` took its lock would leave the lock held for good.
+        # Two arrivals at once may leave a take waiting on an event that neither sets:
+        # it polls again within take's 50 ms anyway.
+        self._arrival = threading.Event()
         helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
         helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
         if deterministic:

@@ -417,8 +417,7 @@ class _AccumulatorBase:
     _counters: Any  # a ResourceVariable: the int64 counters (statistics.py)
     _guard: Guard
     _remote: bool
-    _arrived: threading.Condition
-    _arrivals: int
+    _arrival: threading.Event  # set at the next eager arrival (gradient_accumulator.py)
 
     if TYPE_CHECKING:
 

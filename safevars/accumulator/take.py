@@ -134,8 +134,7 @@ class _Take(_AccumulatorBase):
         required = self._num_required or 0
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
         while True:
-            with self._arrived:
-                generation = self._arrivals
+            arrival = self._arrival  # set by any arrival from now on (commit.py)
             grads = self._take_now(required)
             if grads is not None:
                 return grads
@@ -147,9 +146,7 @@ class _Take(_AccumulatorBase):
                     "the next take."
                 )
             wait = _POLL_SECONDS if remaining is None else min(remaining, _POLL_SECONDS)
-            with self._arrived:
-                if self._arrivals == generation:
-                    self._arrived.wait(wait)
+            arrival.wait(wait)
 
     def _take_locked(self, required: int) -> tuple[Any, int] | None:
         """Eager: reads the pending state and resets it if ``required`` are pending.
