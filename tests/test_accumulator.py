@@ -667,6 +667,41 @@ class TestDeterminism:
                 bound = abs(exact) * Fraction(1, 2**53) + biggest * Fraction(1, 2**51)
                 assert error <= bound * (1 + Fraction(1, 2**50))
 
+    def test_where_the_count_cannot_pass_four_only_the_sorted_sum_is_compiled(self):
+        """XLA computes both branches of the count's cond (it turns it into a select):
+        with a bound known when tracing (``most``: max_pending) or a static number of
+        rows at most four (take compiles per power of two of the pending rows), only the
+        sorted sum is compiled, with the same bits."""
+        from safevars.accumulator.reproducible_sum import _reproducible_sum
+
+        data = self._sorted_cases()
+        rows = np.concatenate([data, np.full_like(data, np.nan)])  # 8 rows: the grid may run
+        n = data.shape[1]
+        spec = [tf.TensorSpec([None, n], tf.float32), tf.TensorSpec([], tf.int64)]
+
+        def compiled(most, signature=None):
+            return tf.function(
+                lambda r, c: _reproducible_sum(r, c, (), most),
+                autograph=False,
+                jit_compile=True,
+                input_signature=signature,
+            )
+
+        def grid_in(fn, r) -> bool:  # the grid's roundings (tf.round) are compiled in
+            ir = fn.experimental_get_compiler_ir(tf.constant(r), tf.constant(4, tf.int64))
+            return "round-nearest" in ir(stage="optimized_hlo")
+
+        unbounded, bounded, marker = compiled(None), compiled(4), compiled(None, spec)
+        for count in (1, 2, 3, 4):
+            c = tf.constant(count, tf.int64)
+            want = _reproducible_sum(tf.constant(rows), c).numpy().tobytes()
+            assert unbounded(tf.constant(rows), c).numpy().tobytes() == want
+            assert bounded(tf.constant(rows), c).numpy().tobytes() == want
+            assert marker(tf.constant(data), c).numpy().tobytes() == want
+        assert grid_in(unbounded, rows) and grid_in(marker, rows)
+        assert not grid_in(bounded, rows)
+        assert not grid_in(marker, data)  # 4 rows: XLA folds the count's cond away
+
     def test_sums_of_up_to_four_propagate_nan_and_inf(self):
         from safevars.accumulator.reproducible_sum import _reproducible_sum
 

@@ -229,7 +229,9 @@ class _Take(_AccumulatorBase):
                 leading = [tf.reshape(piece, [-1])]
                 leading += [tf.reshape(block.read_value(), [-1]) for block in blocks]
                 none = tf.zeros([0, leading[0].shape[0]], tf.float32)
-                return self._divide(_reproducible_sum(none, count, leading), count)
+                # A call that would leave more than max_pending pending is refused.
+                most = self._max_pending
+                return self._divide(_reproducible_sum(none, count, leading, most), count)
 
             reducers[k] = tf.function(reduce, autograph=False, jit_compile=True)
         return reducers[k]
