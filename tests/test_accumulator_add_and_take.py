@@ -1,8 +1,9 @@
 """GradientAccumulator.add_and_take: add then take as one atomic step.
 
 The result is checked bit for bit against ``add`` then ``take`` in every mode and
-layout, on the direct path (the contribution read where it is, one reduction per piece
-waiting only for its own gradient) and the generic one (stored, then taken); threads on
+layout, on the direct paths (the contribution read where it is: one reduction per piece
+waiting only for its own gradient, or with one-row blocks one reduction with the
+buffer's rows) and the generic one (stored, then taken); threads on
 a barrier check that every contribution is taken exactly once; refusals change nothing.
 """
 
@@ -135,6 +136,63 @@ class TestDirectPath:
             types = [op.type for op in graph.get_operations()]
             assert types.count("MutexLock") == 1
             assert "ResourceScatterUpdate" in types
+
+
+class TestRowsPath:
+    """One-row blocks, none kept by reference (the "one_row" layout of small models):
+    with ``max_pending`` a traced ``add_and_take`` reads its contribution where the
+    gradients were packed, with the buffer's rows, in one compiled call."""
+
+    def _traced(self, max_pending=4, **kwargs):
+        acc = GradientAccumulator(variables(), max_pending=max_pending, **kwargs)
+        step = tf.function(lambda a, b: acc.add_and_take([a, b]), autograph=False)
+        graph = step.get_concrete_function(*[tf.TensorSpec(s) for s in SHAPES]).graph
+        return acc, step, graph
+
+    def test_it_stores_nothing_and_reduces_in_one_compiled_call(self):
+        acc, step, graph = self._traced()
+        assert acc._references == 0 and acc._layout.chunks == 1
+        types = [op.type for op in graph.get_operations()]
+        assert types.count("MutexLock") == 1
+        assert "ResourceScatterUpdate" not in types  # this contribution is not stored
+        assert types.count("StatefulPartitionedCall") + types.count("PartitionedCall") == 1
+        grads = contributions(4, seed=11)
+        for g in grads[:3]:
+            acc.add(g)
+        before = acc._rows().numpy()
+        got = step(*[tf.constant(x) for x in grads[3]])
+        reference = GradientAccumulator(variables())
+        for g in grads:
+            reference.add(g)
+        assert bits(got) == bits(reference.take())
+        np.testing.assert_array_equal(acc._rows().numpy(), before)  # the buffer untouched
+        assert acc.statistics().pending == 0
+
+    def test_other_settings_store_then_take(self):
+        # No max_pending (the buffer may grow), a staleness policy, or skipped
+        # non-finite contributions (decided as the graph runs): stored, then taken.
+        for kwargs in ({"max_pending": None}, {"max_staleness": 2}, {"nonfinite": "skip"}):
+            _, _, graph = self._traced(**kwargs)
+            assert "ResourceScatterUpdate" in [op.type for op in graph.get_operations()], kwargs
+
+    def test_restored_past_max_pending_it_is_refused_and_take_reduces_all(self, tmp_path):
+        # A checkpoint of an unbounded accumulator with 6 pending, restored into one with
+        # max_pending=4: add_and_take is refused (nothing changes), take reduces all 6
+        # (past the sorted sum of up to four).
+        grads = contributions(6, seed=13)
+        unbounded = GradientAccumulator(variables())
+        for g in grads:
+            unbounded.add(g)
+        path = tf.train.Checkpoint(acc=unbounded).save(str(tmp_path / "ckpt"))
+        want = bits(unbounded.take())
+        acc, step, _ = self._traced()
+        tf.train.Checkpoint(acc=acc).restore(path).assert_consumed()
+        before = state(acc)
+        extra = contributions(1, seed=14)[0]
+        with pytest.raises(tf.errors.InvalidArgumentError, match="AccumulatorFullError"):
+            step(*[tf.constant(x) for x in extra])
+        assert state(acc) == before
+        assert bits(tf.function(acc.take, autograph=False)()) == want
 
 
 @pytest.mark.usefixtures("layout")

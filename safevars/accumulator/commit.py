@@ -94,16 +94,21 @@ class _Commit(_AccumulatorBase):
         this one, read where it is (never stored), as ``(state, pending before)``; or
         None where the generic path (store, then take) must run.
 
-        It applies when the storage is by reference only and no contribution is decided
-        at run time: a deterministic accumulator with ``max_pending`` at most the blocks
-        kept by reference (after the room check, every pending block is one of them),
-        no staleness policy and no ``nonfinite="skip"``, one contribution in its pieces,
-        outside XLA (whose compiled calls run the generic path, checked before the call).
+        It applies when no contribution is decided at run time and the pending ones are
+        all in one kind of storage: a deterministic accumulator with ``max_pending``,
+        either at most the blocks kept by reference (after the room check, every
+        pending block is one of them: :meth:`_reduce_with`) or with none kept by
+        reference and one-row blocks (every pending block is a row of the buffer:
+        :meth:`_reduce_rows_with`); no staleness policy and no ``nonfinite="skip"``, one
+        contribution in its pieces, outside XLA (whose compiled calls run the generic
+        path, checked before the call).
         """
-        if not (self._deterministic and self._references) or len(parts) != 1:
+        if not self._deterministic or len(parts) != 1 or tfi.in_xla_context():
             return None
-        limit = self._max_pending
-        if limit is None or limit > self._references or tfi.in_xla_context():
+        limit, references = self._max_pending, self._references
+        if limit is None or (references and limit > references):
+            return None
+        if not references and self._layout.chunks != 1:
             return None
         if self._max_staleness is not None or self._nonfinite == "skip":
             return None
@@ -111,6 +116,8 @@ class _Commit(_AccumulatorBase):
         if not isinstance(values, tuple):  # one flat block, gathered across workers
             return None
         pending = self._counters[_PENDING]
+        if not references:
+            return self._reduce_rows_with(values[0], pending), pending
         return self._reduce_with(values, pending), pending
 
     def _commit_body(

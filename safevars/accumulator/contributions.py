@@ -95,14 +95,16 @@ class _Contributions(_AccumulatorBase):
             # micro-steps 1..3: acc.add(grads); micro-step 4:
             optimizer.apply(acc.add_and_take(grads), model.trainable_variables)
 
-        Inside a ``tf.function``, when every pending contribution is kept by reference (a
-        deterministic accumulator with ``max_pending`` at most ``max(num_required, 4)``
-        and a gradient of at least 65,536 elements), with no staleness policy and
-        ``nonfinite`` not "skip", this contribution is read where it is and never
-        stored, and the reduction of each large gradient starts as soon as that
+        Inside a ``tf.function``, a deterministic accumulator with ``max_pending``, no
+        staleness policy and ``nonfinite`` not "skip" reads this contribution where it
+        is and never stores it: when every pending contribution is kept by reference
+        (``max_pending`` at most ``max(num_required, 4)`` and a gradient of at least
+        65,536 elements) the reduction of each large gradient starts as soon as that
         gradient is computed, while the backward pass computes the others (README,
-        "Results"). Otherwise it is stored, then the pending ones are reduced, in the same
-        section. The result is the same bits either way.
+        "Results"); when none is (small models: one buffer row per contribution) one
+        compiled call reduces it with the buffer's rows. Otherwise it is stored, then
+        the pending ones are reduced, in the same section. The result is the same bits
+        either way.
 
         Args:
           gradients: As for :meth:`add`.

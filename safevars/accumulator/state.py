@@ -386,6 +386,8 @@ class _Helpers:
         self.remote_functions: dict[str, Callable[..., Any]] = {}
         # add_and_take's compiled reduction of each piece of the layout (take.py).
         self.piece_reducers: dict[int, Callable[..., Any]] = {}
+        # ... and of the contribution with the buffer's rows, none kept by reference.
+        self.rows_reducer: Callable[..., Any] | None = None
         # The strategy in whose scope the accumulator was created, if any.
         self.strategy: tf.distribute.Strategy | None = (
             tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
@@ -452,6 +454,8 @@ class _AccumulatorBase:
         ) -> tuple[Any, tf.Tensor, tf.Tensor]: ...
 
         def _reduce_with(self, pieces: tuple[tf.Tensor, ...], pending: tf.Tensor) -> tuple: ...
+
+        def _reduce_rows_with(self, piece: tf.Tensor, pending: tf.Tensor) -> tf.Tensor: ...
 
         def _finish(self, state: Any, pending: int | tf.Tensor) -> Any: ...
 

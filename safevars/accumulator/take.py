@@ -217,6 +217,27 @@ class _Take(_AccumulatorBase):
         count = tf.cast(pending, tf.int64) + 1
         return tuple(self._piece_reducer(k)(count, piece) for k, piece in enumerate(pieces))
 
+    def _reduce_rows_with(self, piece: tf.Tensor, pending: tf.Tensor) -> tf.Tensor:
+        """``add_and_take``'s reduction with no block kept by reference, lock held
+        (:meth:`_Commit._take_directly`): ``piece`` (the contribution being added, one
+        ``[1, width]`` row, not stored) and the first ``pending`` rows of the buffer,
+        reduced and divided as :meth:`_reduce_math` does, flat. One compiled call that
+        reads the contribution where the gradients were packed: no scatter of it into
+        the buffer, and no second pass over it from there."""
+        reducer = self._helpers.rows_reducer
+        if reducer is None:
+
+            def reduce(count: tf.Tensor, row: tf.Tensor) -> tf.Tensor:
+                buffer = tf.reshape(self._state.read_value(), [-1, self._layout.width])
+                # A call that would leave more than max_pending pending is refused.
+                most = self._max_pending
+                total = _reproducible_sum(buffer, count, [tf.reshape(row, [-1])], most)
+                return self._divide(total, count)
+
+            reducer = tf.function(reduce, autograph=False, jit_compile=True)
+            self._helpers.rows_reducer = reducer
+        return reducer(tf.cast(pending, tf.int64) + 1, piece)
+
     def _piece_reducer(self, k: int) -> Any:
         """The compiled reduction of piece ``k`` for :meth:`_reduce_with` (made once)."""
         reducers = self._helpers.piece_reducers
