@@ -167,6 +167,68 @@ def test_an_accumulator_saved_while_threads_add_restores_an_exact_mean(
             np.testing.assert_array_equal(mean.numpy(), np.ones([16], np.float32))
 
 
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_bounded_accumulator_checkpointed_and_restored_while_threads_add_and_take(
+    tmp_path, monkeypatch, blocks
+):
+    """``max_pending=4``, two threads adding and adding-and-taking in a tf.function (the
+    direct paths: blocks kept by reference with ``blocks``, buffer rows without), while
+    a third writes checkpoints and restores every other one into the live accumulator.
+    Every contribution is ones, so every take is exactly ones: a restore racing a write
+    that left a block half written, a count without its block, or more than 4 pending,
+    shows as another mean or a refused take. Adds refused for want of room are expected
+    (restores put back up to 4 pending)."""
+    if blocks:
+        from safevars.accumulator import state
+
+        monkeypatch.setattr(state, "_CHUNK", 4)
+        monkeypatch.setattr(state, "_DIRECT", 8)
+    ones = tf.ones([16])
+    acc = safevars.GradientAccumulator([tf.Variable(tf.zeros([16]))], max_pending=4)
+    add = tf.function(lambda g: acc.add([g]), autograph=False)
+    add_and_take = tf.function(lambda g: acc.add_and_take([g]), autograph=False)
+    checkpoint = tf.train.Checkpoint(acc=acc)
+    stop = threading.Event()
+    paths: list[str] = []
+    taken: list[np.ndarray] = []
+    full = (safevars.AccumulatorFullError, tf.errors.InvalidArgumentError)
+
+    def role(i):
+        if i == 0:
+            for k in range(24):
+                paths.append(checkpoint.write(str(tmp_path / f"acc-{k}")))
+                if k % 2:
+                    checkpoint.read(paths[k - 1]).assert_consumed()
+            stop.set()
+            return
+        while not stop.is_set():
+            try:
+                add(ones)
+            except full as error:
+                assert "AccumulatorFullError" in str(error)
+            try:
+                (mean,) = add_and_take(ones)
+            except full as error:
+                assert "AccumulatorFullError" in str(error)
+            else:
+                taken.append(mean.numpy())
+
+    run_threads(3, role)
+    assert taken, "no add_and_take ran"
+    for mean in taken:
+        np.testing.assert_array_equal(mean, np.ones([16], np.float32))
+    assert acc.count <= 4
+    if acc.count:
+        np.testing.assert_array_equal(acc.take()[0].numpy(), np.ones([16], np.float32))
+    for path in paths:
+        twin = safevars.GradientAccumulator([tf.Variable(tf.zeros([16]))], max_pending=4)
+        tf.train.Checkpoint(acc=twin).read(path).assert_consumed()
+        assert twin.count <= 4
+        if twin.count:
+            (mean,) = twin.take()
+            np.testing.assert_array_equal(mean.numpy(), np.ones([16], np.float32))
+
+
 def test_accumulator_locked_holds_contributions_still():
     acc = safevars.GradientAccumulator([tf.Variable(tf.zeros([2]))])
     added = threading.Event()
