@@ -21,11 +21,12 @@ Variants:
   ``acc.add_and_take(grads)`` then ``SGD.apply`` at the K-th, with
   ``deterministic=True`` (order-independent result) and ``max_pending=4``: like Keras'
   ``gradient_accumulation_steps=4``, it declares how many contributions accumulate, so
-  the storage is made up front, a traced ``add`` has no growth check, and on mlp2x1024
-  (every pending contribution kept by reference) ``add_and_take`` reads the K-th
-  contribution where it is and reduces each large gradient as soon as it is computed,
-  beside the rest of the backward pass (goal: at most 1.10× the baseline per
-  micro-step, for both models).
+  the storage is made up front, a traced ``add`` has no growth check, and
+  ``add_and_take`` reads the K-th contribution where it is: on mlp2x1024 (every pending
+  contribution kept by reference) it reduces each large gradient as soon as it is
+  computed, beside the rest of the backward pass; on mlp2x128 (one buffer row per
+  contribution) one compiled call reduces it with the stored rows (goal: at most 1.10×
+  the baseline per micro-step, for both models).
 * ``GradientAccumulator(add, take)``: the same accumulator (``max_pending=4``), with
   ``acc.add(grads)`` then ``acc.take()`` at the K-th micro-step: two sections, the
   contribution stored, one reduction after the last gradient.
