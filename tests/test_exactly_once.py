@@ -48,6 +48,8 @@ def assert_each_write_once(figures: dict, steps: int) -> None:
     assert figures["a"] + figures["b"] == 1000.0
     assert figures["b"] == figures["a_version"] == figures["b_version"] == steps
     assert figures["accumulated"] == steps  # GradientAccumulator.add
+    # add_and_take: each step added one contribution and took it, once.
+    assert figures["taking"] == {"added": steps, "taken": steps, "takes": steps, "pending": 0}
     assert figures["w"] == [steps, steps] and figures["iterations"] == steps  # SafeOptimizer
 
 
@@ -59,6 +61,7 @@ def test_the_problem_plain_schedule_applies_a_retried_step_twice(cluster):
     assert plain["done"] == plain["scheduled"]
     assert plain["counter"] == plain["scheduled"] + 1
     assert plain["accumulated"] == plain["iterations"] == plain["scheduled"] + 1
+    assert plain["taking"]["takes"] == plain["scheduled"] + 1
     assert plain["discarded"] == dict.fromkeys(VARIABLES, 0)
 
 

@@ -8,7 +8,8 @@ worker 0 run in this process (as ``safevars.local_cluster`` does); workers 1 and
 subprocesses so that they can be killed (SIGKILL) and restarted. Prints one JSON line.
 
 The main step writes through safevars in every way: ``counter.update(+1)``, a
-transaction moving 1 from ``a`` to ``b``, a ``GradientAccumulator.add`` and a
+transaction moving 1 from ``a`` to ``b``, a ``GradientAccumulator.add``, an
+``add_and_take`` (deterministic, ``max_pending=1``) and a
 ``SafeOptimizer.apply_gradients`` (SGD, gradient -1, learning rate 1: the weight counts
 the applied steps). A step can be made to block on the parameter server *after* its
 writes, on one chosen worker (``armed``); that worker is then killed with the step in
@@ -185,6 +186,11 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
             state["acc"] = safevars.GradientAccumulator(
                 [state["g"]], reduction="sum", deterministic=False
             )
+            # add_and_take at every step, deterministic and bounded: each step adds one
+            # contribution and takes it.
+            state["taking"] = safevars.GradientAccumulator(
+                [tf.Variable(tf.zeros([2]))], reduction="sum", max_pending=1
+            )
             state["opt"] = safevars.SafeOptimizer(keras.optimizers.SGD(1.0))
             state["opt"].build([state["w"]])
         return state
@@ -204,6 +210,7 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
 
             written.append(safevars.transaction([a, b], move))
             written.append(acc.add([tf.ones([2])]))
+            written.append(state["taking"].add_and_take([tf.ones([2])])[0])
             opt.apply_gradients([(-tf.ones([2]), w)])  # SGD(1.0): w counts the steps
             written.append(w.read_value())
             return block_then_check(written, number)
@@ -220,6 +227,10 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
             "a_version": int(a.version),
             "b_version": int(b.version),
             "accumulated": state["acc"].statistics().added,
+            "taking": {
+                key: getattr(state["taking"].statistics(), key)
+                for key in ("added", "taken", "takes", "pending")
+            },
             "w": w.numpy().tolist(),
             "iterations": int(state["opt"].iterations.numpy()),
             "discarded": {
