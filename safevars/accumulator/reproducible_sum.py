@@ -124,8 +124,8 @@ def _reproducible_sum(
 
     # Only the sorted sum where the count cannot exceed _SORTED. XLA turns a cond
     # whose branches are elementwise into a select of both, so the grid would be
-    # computed for every element too: on the 26K-parameter benchmark model the
-    # compiled take then did about twice the work.
+    # computed for every element too (the 26K-parameter benchmark model's fused
+    # reduction: 23-32 µs per take under the profiler with it, 16-23 µs without).
     bound = rows.shape[0]
     bound = None if bound is None else bound + len(leading)
     if most is not None:
