@@ -21,7 +21,7 @@ from safevars import step_span
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
-from safevars.accumulator.statistics import _NUM_COUNTERS, _PENDING, _TAKEN, _TAKES
+from safevars.accumulator.statistics import _PENDING, _TAKES, _taken_delta
 from safevars.errors import AccumulatorFullError, AccumulatorTimeoutError, assertion_text
 from safevars.locking import Guard, graph_section, hold
 from safevars.sections import graph_inputs, record_xla_preparation
@@ -194,10 +194,7 @@ class _Commit(_AccumulatorBase):
             state, before = direct
             with tf.control_dependencies(checks + tf.nest.flatten(state)):
                 pending = before + n  # n is 1: no run-time refusal on this path
-                delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
-                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
-                delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64)
-                self._counters.assign_add(delta, read_value=False)
+                self._counters.assign_add(_taken_delta(pending, 1), read_value=False)
             return state, pending
         with tf.control_dependencies([n]):  # after the commit's counters (ordered too)
             state, pending, _ = self._take_body(conditional=False, required=0)

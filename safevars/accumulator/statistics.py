@@ -19,6 +19,15 @@ _PENDING, _ADDED, _DROPPED, _REJECTED, _SCALED, _TAKEN, _TAKES, _DISCARDED = ran
 _NUM_COUNTERS = 8
 
 
+def _taken_delta(pending: tf.Tensor, takes: int | tf.Tensor) -> tf.Tensor:
+    """The counters' change when a traced take hands out ``pending`` contributions
+    (int64): ``taken`` up and ``pending`` down by that many, ``takes`` up by
+    ``takes``."""
+    delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
+    delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
+    return delta + tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * takes
+
+
 class AccumulatorStatistics(NamedTuple):
     """A frozen record of what an accumulator has seen (see ``statistics()``).
 

@@ -29,6 +29,7 @@ from safevars.accumulator.statistics import (
     _PENDING,
     _TAKEN,
     _TAKES,
+    _taken_delta,
 )
 from safevars.errors import AccumulatorTimeoutError, InvalidArgumentError, assertion_text
 from safevars.locking import graph_section, hold
@@ -329,11 +330,7 @@ class _Take(_AccumulatorBase):
                     self._state.assign(
                         tf.zeros(self._state.shape, self._state.dtype), read_value=False
                     )
-                delta = tf.one_hot(_TAKEN, _NUM_COUNTERS, dtype=tf.int64) * pending
-                delta -= tf.one_hot(_PENDING, _NUM_COUNTERS, dtype=tf.int64) * pending
-                delta += tf.one_hot(_TAKES, _NUM_COUNTERS, dtype=tf.int64) * tf.cast(
-                    pending > 0, tf.int64
-                )
+                delta = _taken_delta(pending, tf.cast(pending > 0, tf.int64))
                 self._counters.assign_add(delta, read_value=False)
                 return tf.constant(True)
 
