@@ -115,8 +115,6 @@ class _Commit(_AccumulatorBase):
         values = parts[0].values
         if not isinstance(values, tuple):  # one flat block, gathered across workers
             return None
-        if not references and len(values) != 1:
-            return None
         pending = self._counters[_PENDING]
         if not references:  # one-row blocks: one piece
             return self._reduce_rows_with(values[0], pending), pending
