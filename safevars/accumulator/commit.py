@@ -319,7 +319,11 @@ class _Commit(_AccumulatorBase):
             where = tf.cast(tf.math.invert_permutation(order), tf.int64)
             offsets = [where[k] for k in range(count)]
         if tf.executing_eagerly():
-            self._write_blocks(blocks, self._grow_eagerly(count), offsets)
+            if self._max_pending is not None:  # made up front, and _check_room ran
+                pending = int(self._counters.numpy()[_PENDING])
+            else:
+                pending = self._grow_eagerly(count)
+            self._write_blocks(blocks, pending, offsets)
             return
         pending = self._counters[_PENDING]
         if tfi.in_xla_context():
