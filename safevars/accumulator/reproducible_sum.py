@@ -152,29 +152,33 @@ def _sorted_sum(values: Sequence[tf.Tensor], count: tf.Tensor) -> tf.Tensor:
     minima and maxima, so the sorted row is the same whatever order the values came
     in; equal values are then the same bits: with -0.0 and +0.0 both present, a
     minimum and a maximum may return the same one of them, TensorFlow's CPU kernels
-    do, and the sum's sign would depend on the order), then added in float64 in a fixed
-    order, ``(x0 + x3) + (x1 + x2)``: the smallest and the largest first, so that
-    opposite values cancel before anything else is added (``1 + 2**-110 - 1`` is
-    ``2**-110`` exactly). Three roundings: the sum differs from the exact one by at
+    do, and the sum's sign would depend on the order), then widened to float64 and
+    added in a fixed order, ``(x0 + x3) + (x1 + x2)``: the smallest and the largest
+    first, so that opposite values cancel before anything else is added
+    (``1 + 2**-110 - 1`` is ``2**-110`` exactly). The masking and the sort run in
+    float32 (widening is exact and keeps the order, so the sorted values are the same
+    as in float64, at half the width per operation: in the accumulator benchmark's
+    26K-parameter micro-steps, 11-28 µs less per micro-step in 5 of 6 processes against
+    sorting in float64). Three roundings: the sum differs from the exact one by at
     most ``2**-53`` of the exact sum plus ``2**-51`` of the largest magnitude (each
     pair's sum is at most twice it).
     Keeping the roundings' errors (TwoSum) would bring that to one rounding plus
     ``2**-98``, at about 20 more float64 operations per element (the module
-    docstring says what they cost). Where a value is not finite the result is their plain
-    sum (NaN, or an infinity), which does not depend on the order; minima and maxima
-    are not relied on for NaN (TensorFlow's CPU kernels may drop it). A sum of zeros is
-    +0.0, -0.0 ones included.
+    docstring says what they cost). Infinities need nothing more: they sort to the
+    ends and the float64 additions give what IEEE addition of the values gives (+Inf
+    and -Inf: NaN; a float64 sum of four float32 values cannot overflow). A NaN is not
+    left to the minima and maxima (XLA's CPU ones return the other operand when the
+    second is NaN): where any value is NaN the result is NaN. A sum of zeros is +0.0,
+    -0.0 ones included.
     """
-    zero = tf.constant(0.0, tf.float64)
-    xs = [
-        tf.where((j < count) & (x != 0), tf.cast(x, tf.float64), zero)
-        for j, x in enumerate(values)
-    ]
-    plain = functools.reduce(tf.add, xs)  # finite exactly when every value is
+    zero = tf.constant(0.0, tf.float32)
+    xs = [tf.where((j < count) & (x != 0), x, zero) for j, x in enumerate(values)]
+    nan = functools.reduce(tf.logical_or, [tf.math.is_nan(x) for x in xs])
     for i, j in _NETWORK:
         xs[i], xs[j] = tf.minimum(xs[i], xs[j]), tf.maximum(xs[i], xs[j])
-    total = (xs[0] + xs[3]) + (xs[1] + xs[2])
-    return tf.where(tf.math.is_finite(plain), total, plain)
+    wide = [tf.cast(x, tf.float64) for x in xs]
+    total = (wide[0] + wide[3]) + (wide[1] + wide[2])
+    return tf.where(nan, tf.constant(np.nan, tf.float64), total)
 
 
 def _grid_sum(rows: tf.Tensor, count: tf.Tensor, leading: Sequence[tf.Tensor] = ()) -> tf.Tensor:
