@@ -35,6 +35,12 @@ Variants:
   ``If`` kernel per ``add``).
 * ``GradientAccumulator(deterministic=False)``: a float32 running sum, ``add`` then
   ``take``, ``max_pending`` not set.
+* ``keras gradient_accumulation_steps + one tf mutex`` (mlp2x128 only; a reference, not
+  a safevars variant): the baseline's micro-step with one TensorFlow ``MutexLock`` taken
+  at its start and released after its update, as a traced ``add`` takes its lock: the
+  least that taking TensorFlow's mutex once per micro-step costs on the small model
+  (its kernel hands every acquisition to the mutex's own thread), which Keras'
+  accumulation, not thread-safe, does not pay.
 
 Where the extra time of ``deterministic=True`` goes (measured on one core with other
 processes running, per K = 4 micro-steps, after the block layout of
@@ -104,6 +110,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.case import Case, Context
+from safevars import _tf_internal as tfi
 from safevars.accumulator import GradientAccumulator
 
 FAMILY = "accumulator"
@@ -114,6 +121,7 @@ CLASSES = 10
 BATCH = 32
 MICRO_STEPS = 4
 GOAL = 1.10
+MUTEX_REFERENCE = "keras gradient_accumulation_steps + one tf mutex"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,7 @@ class Model:
     features: int
     width: int
     goal: float | None = None
+    mutex_reference: bool = False
 
     @property
     def name(self) -> str:
@@ -134,7 +143,7 @@ class Model:
         return (self.features + 1) * w + (w + 1) * w + (w + 1) * CLASSES
 
 
-SMALL = Model(features=64, width=128, goal=GOAL)
+SMALL = Model(features=64, width=128, goal=GOAL, mutex_reference=True)
 LARGE = Model(features=256, width=1024, goal=GOAL)
 MODELS = (SMALL, LARGE)
 
@@ -187,6 +196,37 @@ def _keras_variant(spec: Model, batches: list) -> Callable[[], None]:
     return call
 
 
+def _keras_mutex_variant(spec: Model, batches: list) -> Callable[[], None]:
+    """The baseline with one TensorFlow mutex per micro-step, placed as a traced ``add``
+    places its own (``lock_span="step"``): ``MutexLock`` at the start of the step, the
+    update waiting for it, ``ConsumeMutexLock`` after the update. Nothing else changes:
+    what any accumulator that takes TensorFlow's mutex once per micro-step pays at least.
+    """
+    model = _model(spec)
+    optimizer = keras.optimizers.SGD(0.01, gradient_accumulation_steps=MICRO_STEPS)
+    optimizer.build(model.trainable_variables)
+    mutex = tf.CriticalSection(shared_name=f"bench_keras_mutex_{spec.name}")
+
+    @tf.function(autograph=False)
+    def micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        lock = tfi.mutex_lock(mutex._handle)
+        grads = _gradients(model, x, y)
+        with tf.control_dependencies([lock]):
+            grads = [tf.identity(g) for g in grads]
+        optimizer.apply(grads, model.trainable_variables)
+        with tf.control_dependencies([tf.identity(optimizer.iterations)]):
+            released = tfi.consume_mutex_lock(lock)
+        with tf.control_dependencies([released]):
+            return tf.identity(optimizer.iterations)
+
+    def call() -> None:
+        for x, y in batches:
+            done = micro_step(x, y)
+        done.numpy()
+
+    return call
+
+
 def _accumulator_variant(
     spec: Model,
     batches: list,
@@ -228,6 +268,7 @@ def _case(ctx: Context, spec: Model) -> Case:
     with tf.device(ctx.device):
         batches = _batches(spec)
         keras_call = _keras_variant(spec, batches)
+        mutex_call = _keras_mutex_variant(spec, batches) if spec.mutex_reference else None
         exact_call, exact_bytes = _accumulator_variant(
             spec, batches, deterministic=True, max_pending=MICRO_STEPS, fused=True
         )
@@ -237,16 +278,19 @@ def _case(ctx: Context, spec: Model) -> Case:
         growing_call, _ = _accumulator_variant(spec, batches, deterministic=True)
         float_call, float_bytes = _accumulator_variant(spec, batches, deterministic=False)
     parameters = spec.parameters
+    variants = {
+        "keras gradient_accumulation_steps": keras_call,
+        "GradientAccumulator": exact_call,
+        "GradientAccumulator(add, take)": separate_call,
+        "GradientAccumulator(max_pending=None)": growing_call,
+        "GradientAccumulator(deterministic=False)": float_call,
+    }
+    if mutex_call is not None:
+        variants[MUTEX_REFERENCE] = mutex_call
     return Case(
         family=FAMILY,
         name=f"micro_steps/{spec.name}/b{BATCH}/k{MICRO_STEPS}",
-        variants={
-            "keras gradient_accumulation_steps": keras_call,
-            "GradientAccumulator": exact_call,
-            "GradientAccumulator(add, take)": separate_call,
-            "GradientAccumulator(max_pending=None)": growing_call,
-            "GradientAccumulator(deterministic=False)": float_call,
-        },
+        variants=variants,
         ops_per_call=MICRO_STEPS,
         params={
             "parameters": parameters,
