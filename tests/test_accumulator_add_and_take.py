@@ -196,6 +196,54 @@ class TestRowsPath:
 
 
 @pytest.mark.usefixtures("layout")
+def test_a_failed_reduction_changes_nothing():
+    """A traced ``add_and_take`` whose reduction fails at run time (a fault injected
+    after the compiled call: an op of the step failing, or the call itself) leaves the
+    accumulator as it was, on the direct paths too, where the contribution is never
+    stored: the counters change once, after the reduction. The next call then takes
+    the pending contributions and its own."""
+    grads = contributions(4, seed=17)
+    acc = GradientAccumulator(variables(), max_pending=4)
+    fail = tf.Variable(True)
+    methods = ("_reduce_rows_with", "_reduce_with")
+    originals = {name: getattr(acc, name) for name in methods}
+
+    def failing(original):
+        def reduce(*args):
+            result = original(*args)
+            flat = tf.nest.flatten(result)
+            # Fails once the reduction has run, with no assertion (tf.function orders
+            # assertions one after another, which would hold the add's own check back).
+            size = tf.size(flat[0])
+            checked = tf.reshape(flat[0], tf.where(fail, size + 1, size)[None])
+            flat[0] = tf.reshape(checked, tf.shape(flat[0]))
+            return tf.nest.pack_sequence_as(result, flat)
+
+        return reduce
+
+    for name in methods:
+        setattr(acc, name, failing(originals[name]))
+    step = tf.function(lambda g: acc.add_and_take(g), autograph=False)
+    specs = [tf.TensorSpec(s) for s in SHAPES]
+    types = [op.type for op in step.get_concrete_function(specs).graph.get_operations()]
+    assert "ResourceScatterUpdate" not in types  # a direct path: nothing stored
+    for g in grads[:3]:
+        acc.add(g)
+    before = state(acc)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+        step([tf.constant(x) for x in grads[3]])
+    assert state(acc) == before
+    assert acc.statistics().pending == 3
+    fail.assign(False)
+    reference = GradientAccumulator(variables())
+    for g in grads:
+        reference.add(g)
+    assert bits(step([tf.constant(x) for x in grads[3]])) == bits(reference.take())
+    stats = acc.statistics()
+    assert (stats.pending, stats.added, stats.taken, stats.takes) == (0, 4, 4, 1)
+
+
+@pytest.mark.usefixtures("layout")
 class TestConcurrency:
     # Each thread adds, then adds and takes: at most 3 of its adds and 1 more are
     # pending at once, so max_pending=4 (the direct path, "blocks" in a tf.function)

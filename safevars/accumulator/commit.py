@@ -183,16 +183,22 @@ class _Commit(_AccumulatorBase):
                     self._counters.assign_add(delta, read_value=False)
             else:
                 delta = tf.stack([tf.cast(d, tf.int64) for d in delta])
-                self._counters.assign_add(delta, read_value=False)
+                if direct is None:
+                    self._counters.assign_add(delta, read_value=False)
             if not eager:
                 n = tf.cast(n, tf.int64)  # made to depend on the commit
         if eager or not take:
             return n
         if direct is not None:
+            # The add's counters and the take's in one update, after the reduction:
+            # this contribution is not stored, so counting it as pending before the
+            # reduction ran would leave a count without its block if the step failed in
+            # between (another op of the step failing, the reduction itself).
             state, before = direct
             with tf.control_dependencies(checks + tf.nest.flatten(state)):
                 pending = before + n  # n is 1: no run-time refusal on this path
-                self._counters.assign_add(_taken_delta(pending, 1), read_value=False)
+                delta += _taken_delta(pending, 1)
+                self._counters.assign_add(delta, read_value=False)
             return state, pending
         with tf.control_dependencies([n]):  # after the commit's counters (ordered too)
             state, pending, _ = self._take_body(conditional=False, required=0)
