@@ -193,11 +193,12 @@ class _Commit(_AccumulatorBase):
             # The add's counters and the take's in one update, after the reduction:
             # this contribution is not stored, so counting it as pending before the
             # reduction ran would leave a count without its block if the step failed in
-            # between (another op of the step failing, the reduction itself).
+            # between (another op of the step failing, the reduction itself). Only the
+            # update waits for the reduction: the change is computed beside it.
             state, before = direct
+            pending = before + n  # n is 1: no run-time refusal on this path
+            delta += _taken_delta(pending, 1)
             with tf.control_dependencies(checks + tf.nest.flatten(state)):
-                pending = before + n  # n is 1: no run-time refusal on this path
-                delta += _taken_delta(pending, 1)
                 self._counters.assign_add(delta, read_value=False)
             return state, pending
         with tf.control_dependencies([n]):  # after the commit's counters (ordered too)
