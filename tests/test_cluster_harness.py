@@ -74,17 +74,34 @@ def test_a_process_past_the_deadline_is_killed_and_named():
 
 FAILS_ONCE = """
 import os, sys
-path = sys.argv[1]
+path, message = sys.argv[1:3]
 first = not os.path.exists(path)
 open(path, "a").write("x")
 if first:
-    sys.exit(print("UnknownError: Could not start gRPC server", file=sys.stderr) or 1)
+    sys.exit(print(message, file=sys.stderr) or 1)
 print('{"attempts": %d}' % len(open(path).read()))
 """
 
 
-def test_a_script_that_lost_its_port_runs_again(tmp_path):
-    # The parameter-server scripts pick their ports themselves: running them again
-    # picks new ones.
-    (result,) = run_together([["-c", FAILS_ONCE, str(tmp_path / "attempts")]], CLUSTER_TIMEOUT)
+@pytest.mark.parametrize(
+    "message",
+    [
+        # The parameter-server scripts pick their ports themselves: running them again
+        # picks new ones.
+        "UnknownError: Could not start gRPC server",
+        # TensorFlow's coordinator after a worker was killed (seen once under .ci/run).
+        'InternalError: ... {grpc_message:"Unable to parse request", grpc_status:13}',
+    ],
+)
+def test_a_script_that_lost_its_port_or_hit_a_transport_error_runs_again(tmp_path, message):
+    command = ["-c", FAILS_ONCE, str(tmp_path / "attempts"), message]
+    (result,) = run_together([command], CLUSTER_TIMEOUT)
     assert result == {"attempts": 2}
+
+
+def test_a_transport_error_that_persists_fails_after_the_last_attempt(tmp_path):
+    path = tmp_path / "attempts"
+    always = f"open({str(path)!r}, 'a').write('x'); raise SystemExit('Unable to parse request')"
+    with pytest.raises(AssertionError, match="Unable to parse request"):
+        run_together([["-c", always]], CLUSTER_TIMEOUT)
+    assert path.read_text() == "x" * cluster_harness.PORT_ATTEMPTS
