@@ -26,6 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import (  # noqa: E402
+    bench_accumulator,
     bench_data,
     bench_eager,
     bench_graph,
@@ -991,6 +992,19 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
     assert graph == scalar_writes | {
         o for o in others if o[0] not in {w[0] for w in scalar_writes}
     }
+    # The accumulator's one-mutex reference runs on the small model only, beside the goal.
+    (accumulator,) = [f for f in document["families"] if f["name"] == "accumulator"]
+    references = {
+        case["name"]: bench_accumulator.MUTEX_REFERENCE in [v["name"] for v in case["variants"]]
+        for case in accumulator["cases"]
+    }
+    assert references == {
+        f"micro_steps/{model.name}/b{bench_accumulator.BATCH}/k{bench_accumulator.MICRO_STEPS}": (
+            model.mutex_reference
+        )
+        for model in bench_accumulator.MODELS
+    }
+    assert sum(references.values()) == 1
 
 
 def test_quick_suite_safe_variants_never_lose_updates(quick_run):
