@@ -138,6 +138,10 @@ class Model:
         return f"mlp2x{self.width}"
 
     @property
+    def case_name(self) -> str:
+        return f"micro_steps/{self.name}/b{BATCH}/k{MICRO_STEPS}"
+
+    @property
     def parameters(self) -> int:
         w = self.width
         return (self.features + 1) * w + (w + 1) * w + (w + 1) * CLASSES
@@ -289,7 +293,7 @@ def _case(ctx: Context, spec: Model) -> Case:
         variants[MUTEX_REFERENCE] = mutex_call
     return Case(
         family=FAMILY,
-        name=f"micro_steps/{spec.name}/b{BATCH}/k{MICRO_STEPS}",
+        name=spec.case_name,
         variants=variants,
         ops_per_call=MICRO_STEPS,
         params={

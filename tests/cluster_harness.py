@@ -41,7 +41,10 @@ _PORT_TAKEN = ("Could not start gRPC server", "Address already in use")
 # not take for a worker failure, so its join() raised InternalError. A transport error of
 # TensorFlow's, not a result of the code under test: the group runs again.
 _TRANSPORT_FAILED = ("Unable to parse request",)
-PORT_ATTEMPTS = 3
+# A group a process of which failed saying one of these runs again, up to ATTEMPTS runs
+# in all.
+_RUN_AGAIN = _PORT_TAKEN + _TRANSPORT_FAILED
+ATTEMPTS = 3
 # Seconds the other processes get to end on their own once one has failed (a script
 # with --dump-after prints its stacks then); after that they are killed.
 _GRACE = 5.0
@@ -120,7 +123,7 @@ def run_together(
     Scripts that pick their cluster's ports themselves (the parameter-server ones whose
     workers run as processes of their own) can lose one to another process before its
     server binds it: when a process fails for that, the group runs again (new ports),
-    up to ``PORT_ATTEMPTS`` times; so does a group whose coordinator hit TensorFlow's
+    up to ``ATTEMPTS`` times; so does a group whose coordinator hit TensorFlow's
     transport error ``_TRANSPORT_FAILED`` after a worker was killed on purpose.
     """
     return _run_retrying(lambda: commands, timeout, dump_after)
@@ -129,20 +132,20 @@ def run_together(
 def _run_retrying(
     group: Callable[[], list[list[str]]], timeout: float, dump_after: bool
 ) -> list[dict]:
-    """Runs ``group()`` together, and a new ``group()`` again (up to ``PORT_ATTEMPTS``
+    """Runs ``group()`` together, and a new ``group()`` again (up to ``ATTEMPTS``
     runs) while a process fails because a server could not bind its port or because of
     TensorFlow's transport error ``_TRANSPORT_FAILED`` (said on stderr)."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for attempt in range(1, ATTEMPTS + 1):
         commands = group()
         runs = _run_all(commands, timeout, dump_after)
         again = [
             text
             for code, _, err in runs
             if code not in (0, None)
-            for text in _PORT_TAKEN + _TRANSPORT_FAILED
+            for text in _RUN_AGAIN
             if text in err
         ]
-        if not again or attempt == PORT_ATTEMPTS:
+        if not again or attempt == ATTEMPTS:
             return _results(commands, runs, timeout)
         print(f"cluster run {attempt} failed ({again[0]!r}); running it again", file=sys.stderr)
     raise AssertionError("unreachable")
@@ -161,7 +164,7 @@ def run_on_ports(
     A port found free can be taken by another process before a server binds it (another
     cluster starting at the same time, such as the parameter-server script a test runs
     alongside): when a process fails for that, the whole group runs again on new ports,
-    up to ``PORT_ATTEMPTS`` times.
+    up to ``ATTEMPTS`` times.
     """
 
     def on_fresh_ports() -> list[list[str]]:

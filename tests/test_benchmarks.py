@@ -999,10 +999,7 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
         for case in accumulator["cases"]
     }
     assert references == {
-        f"micro_steps/{model.name}/b{bench_accumulator.BATCH}/k{bench_accumulator.MICRO_STEPS}": (
-            model.mutex_reference
-        )
-        for model in bench_accumulator.MODELS
+        model.case_name: model.mutex_reference for model in bench_accumulator.MODELS
     }
     assert sum(references.values()) == 1
 

@@ -104,4 +104,4 @@ def test_a_transport_error_that_persists_fails_after_the_last_attempt(tmp_path):
     always = f"open({str(path)!r}, 'a').write('x'); raise SystemExit('Unable to parse request')"
     with pytest.raises(AssertionError, match="Unable to parse request"):
         run_together([["-c", always]], CLUSTER_TIMEOUT)
-    assert path.read_text() == "x" * cluster_harness.PORT_ATTEMPTS
+    assert path.read_text() == "x" * cluster_harness.ATTEMPTS
