@@ -232,7 +232,7 @@ def test_nested_graph_update_of_same_variable_is_reentrant_in_transaction():
 def test_a_section_runs_on_the_parameter_server_holding_all_its_variables():
     from types import SimpleNamespace
 
-    from safevars.sections import _section_device
+    from safevars.sections.section import _section_device
 
     def guards(*devices):
         return [SimpleNamespace(device=d) for d in devices]

@@ -19,8 +19,9 @@ from threading_harness import run_threads
 from traced_step import traced_step
 
 import safevars
-from safevars import SafeOptimizer, SafeVariable, section_gate
+from safevars import SafeOptimizer, SafeVariable
 from safevars.locking import share_lock
+from safevars.sections import gate as section_gate
 
 _WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
 

@@ -263,7 +263,7 @@ def test_model_fit_runs_its_steps_with_the_reads_inside_the_section(monkeypatch)
     """Keras' train step is a tf.function nested in its train_function; its reads of the
     weights must be found there too (a silent fall back to "update" would pass every
     other test)."""
-    from safevars import step_span
+    from safevars.sections import step_span
 
     spans = []
     plan = step_span.plan

@@ -17,14 +17,13 @@ from typing import Any, cast
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars import step_span
 from safevars._tf_internal import gen_resource_variable_ops
 from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES, _taken_delta
 from safevars.errors import AccumulatorFullError, AccumulatorTimeoutError, assertion_text
 from safevars.locking import Guard, graph_section, hold
-from safevars.sections import graph_inputs, record_xla_preparation
+from safevars.sections import graph_inputs, record_xla_preparation, step_span
 from safevars.staleness import refuse_stale, scale_stale, version_lag
 
 

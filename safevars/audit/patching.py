@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from safevars import locking, sections
+from safevars import locking
 from safevars._tf_internal import concrete_function, critical_section_ops, resource_variable_ops
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK
@@ -27,6 +27,7 @@ from safevars.audit.recording import (
     _writer,
 )
 from safevars.audit.tf_function import _call_wrapper, _to_tensors_wrapper
+from safevars.sections import section as sections
 from safevars.variable import writes as variable_writes
 
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from safevars import locking, sections
+from safevars import locking
 from safevars._tf_internal import eager_context_module as context
 from safevars._tf_internal import ops
 from safevars.audit import active
@@ -39,6 +39,7 @@ from safevars.audit.tf_function import (
     _top_func_graph,
     _Traced,
 )
+from safevars.sections import section as sections
 
 _READ_METHODS = ("_read_variable_op", "sparse_read", "gather_nd")
 _WRITE_METHODS = (

@@ -25,7 +25,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from safevars import step_span
 from safevars.errors import NonFiniteGradientError, assertion_text
 from safevars.locking import graph_section, hold
 from safevars.optimizer.decisions import (
@@ -39,6 +38,7 @@ from safevars.optimizer.decisions import (
     zero,
 )
 from safevars.optimizer.runtime import _COUNTERS, OptimizerPart, _Step
+from safevars.sections import step_span
 from safevars.staleness import refuse_stale, stale_scale_factor
 
 # The nonfinite="raise" refusal, eagerly (with a final period) and as a run-time

@@ -48,8 +48,8 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars import lock_coarsening
-from safevars.sections import _enclosing_sections
+from safevars.sections import coarsening as lock_coarsening
+from safevars.sections.section import _enclosing_sections
 
 __all__ = ["READ_OPS", "Span", "opening", "plan"]
 

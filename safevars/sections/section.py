@@ -27,11 +27,12 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars import lock_coarsening as coarsening
-from safevars import locking, section_gate
+from safevars import locking
 from safevars.distribute import on_parameter_server
 from safevars.errors import InvalidArgumentError, LockOrderError, UnsupportedStrategyError
 from safevars.locking import Guard, SectionLock, sorted_locks
+from safevars.sections import coarsening
+from safevars.sections import gate as section_gate
 
 __all__ = [
     "body_wrappers",

@@ -58,8 +58,8 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars import section_gate
 from safevars.locking import SectionLock
+from safevars.sections import gate as section_gate
 
 __all__ = [
     "OpenSection",
