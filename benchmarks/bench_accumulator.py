@@ -89,7 +89,7 @@ Keras' own micro-step of mlp2x128 with only a ``MutexLock`` / ``ConsumeMutexLock
 added around its update read 1.18x: ``MutexLock`` hands every acquisition to the mutex's
 own thread, and the update waited for that after the last gradient. A traced ``add``
 now takes its lock at the start of the micro-step (``lock_span="step"``,
-:func:`safevars.step_span.opening`), so the acquisition overlaps the forward and backward
+:func:`safevars.sections.step_span.opening`), so the acquisition overlaps the forward and backward
 passes: in one process the deterministic variant read 1.146x with it and 1.281x with
 ``lock_span="add"`` (the old behaviour) on mlp2x128.
 

@@ -5,7 +5,7 @@
   a plain variable (racy, the baseline) against ``SafeVariable.update`` and against the
   same read-then-write inside a ``tf.CriticalSection`` created on the PS (what the issue
   measured at about 1.3x). Lost updates are recorded per call. safevars runs the
-  critical section's ops on the PS (see ``safevars.sections._section_device``); the
+  critical section's ops on the PS (see ``safevars.sections.section._section_device``); the
   hand-written section runs its read and add on the worker. Issue goal: safe throughput at least 0.75x racy, i.e. a time ratio
   of at most 1/0.75.
 (The MirroredStrategy training-step ratio lives in the ``training`` family.)

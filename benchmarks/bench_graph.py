@@ -30,7 +30,7 @@ same functions read 1.21-1.23x; on 2 cores 1.17-1.22x with one or two such funct
 timed in turn and 1.31-1.38x with three or more (2026-11-27). A bare ``MutexLock``/``ConsumeMutexLock``
 pair around the plain writes read 1.11x in the same A/B as ``SafeVariable`` 1.17x. Since
 then the joined writes wait for the ``MutexLock`` itself, not for a gate op behind it
-(:mod:`safevars.section_gate`): over 5 passes ``assign`` 1.20 -> 1.16 and ``assign_add``
+(:mod:`safevars.sections.gate`): over 5 passes ``assign`` 1.20 -> 1.16 and ``assign_add``
 1.33 -> 1.27, every pass under 1.30 in either mode.
 """
 

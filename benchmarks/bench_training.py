@@ -45,7 +45,7 @@ lock at the start of the step instead of after the last gradient read 1.15x (wit
 lock after the last gradient, Adam's updates no longer overlap the backward pass: about
 0.25 ms), without the version adds 1.18x (one int64 add per variable version and one for
 the counters, 53 kernels: about 0.2 ms), both together 1.04x. Both changes are made now:
-the section opens before the forward pass's reads (:mod:`safevars.step_span`) and one
+the section opens before the forward pass's reads (:mod:`safevars.sections.step_span`) and one
 joint add counts every model variable's version
 (:mod:`safevars.locking.joint_versions`); ``SafeOptimizer(..., lock_span="update")`` is
 the old span. The gate op after the ``MutexLock`` (the step's ops wait for it, not for

@@ -3,7 +3,7 @@
 The step's ops wait for one gate op after the ``MutexLock`` (not for the ``MutexLock``
 itself, whose async completion would hand every op it makes ready to a thread pool of its
 own); a section the lock makes few ops ready in waits for the ``MutexLock`` directly
-(:mod:`safevars.section_gate`). These tests pin what the cost work must keep: every write
+(:mod:`safevars.sections.gate`). These tests pin what the cost work must keep: every write
 of a traced step runs after the lock is taken and before it is released, the lock opens
 through the gate, and concurrent traced steps stay exact.
 """

@@ -22,8 +22,8 @@ from safevars.accumulator.placement import _as_tensors
 from safevars.accumulator.state import _AccumulatorBase, _concat, _Layout, _Part
 from safevars.accumulator.statistics import _PENDING, _TAKES, _taken_delta
 from safevars.errors import AccumulatorFullError, AccumulatorTimeoutError, assertion_text
-from safevars.locking import Guard, graph_section, hold
-from safevars.sections import graph_inputs, record_xla_preparation, step_span
+from safevars.locking import Guard, hold
+from safevars.sections import graph_inputs, graph_section, record_xla_preparation, step_span
 from safevars.staleness import refuse_stale, scale_stale, version_lag
 
 
@@ -38,7 +38,7 @@ class _Commit(_AccumulatorBase):
         """
         if not tf.executing_eagerly():
             # The lock waits for every tensor of the contributions (after=parts), or with
-            # lock_span="step" only for what may wait or take locks (safevars.step_span).
+            # lock_span="step" only for what may wait or take locks (safevars.sections.step_span).
             early = None
             if self._lock_span == "step":
                 early = step_span.opening(tf.compat.v1.get_default_graph())

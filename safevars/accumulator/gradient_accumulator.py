@@ -101,8 +101,9 @@ from safevars.accumulator.statistics import _NUM_COUNTERS, _PENDING, Accumulator
 from safevars.accumulator.take import _Take
 from safevars.distribute import check_strategy, on_parameter_server
 from safevars.errors import DTypeMismatchError, InvalidArgumentError
-from safevars.locking import Guard, check_timeout, graph_section, hold, protect
+from safevars.locking import Guard, check_timeout, hold, protect
 from safevars.locking.saved_model import saved_guards
+from safevars.sections import graph_section
 from safevars.staleness import check_stale_policy
 
 __all__ = ["GradientAccumulator"]

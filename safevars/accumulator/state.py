@@ -316,7 +316,7 @@ class _References:
         A function of its own so that its call op has every one of these variables as
         an input: TensorFlow's automatic control dependencies then order it with the
         other reads and writes of them (the take's reduction, in a section joined to
-        the add's, :mod:`safevars.lock_coarsening`). An ``AssignVariableOp`` on a
+        the add's, :mod:`safevars.sections.coarsening`). An ``AssignVariableOp`` on a
         gathered handle alone is invisible to them; under ParameterServerStrategy a
         take then read blocks before the add wrote them. Grappler inlines the call.
         """

@@ -32,7 +32,8 @@ from safevars.accumulator.statistics import (
     _taken_delta,
 )
 from safevars.errors import AccumulatorTimeoutError, InvalidArgumentError, assertion_text
-from safevars.locking import graph_section, hold
+from safevars.locking import hold
+from safevars.sections import graph_section
 
 _POLL_SECONDS = 0.05
 

@@ -27,7 +27,7 @@ from safevars.audit.recording import (
     _writer,
 )
 from safevars.audit.tf_function import _call_wrapper, _to_tensors_wrapper
-from safevars.sections import section as sections
+from safevars.sections import section
 from safevars.variable import writes as variable_writes
 
 
@@ -59,7 +59,7 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
                 targets.append((cls, method, _writer(method)))
     for owner, name, factory in (
         (critical_section_ops.CriticalSection, "execute", _execute_wrapper),
-        (sections, "_traced_section", _section_wrapper),
+        (section, "_traced_section", _section_wrapper),
         (concrete_function.ConcreteFunction, "_call_flat", _call_wrapper),
         (resource_variable_ops.VariableSpec, "to_tensors", _to_tensors_wrapper),
         (threading.Thread, "start", _start_wrapper),

@@ -39,7 +39,7 @@ from safevars.audit.tf_function import (
     _top_func_graph,
     _Traced,
 )
-from safevars.sections import section as sections
+from safevars.sections.tracing import _enclosing_sections
 
 _READ_METHODS = ("_read_variable_op", "sparse_read", "gather_nd")
 _WRITE_METHODS = (
@@ -196,7 +196,7 @@ def _execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps ``sections._traced_section``: the graph sections of safevars locks."""
+    """Wraps ``sections.section._traced_section``: the graph sections of safevars locks."""
 
     @functools.wraps(original)
     def audited_section(ordered: list[Any], fn: Any, after: Any, *rest: Any) -> Any:
@@ -207,7 +207,7 @@ def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         graph = ops.get_default_graph()
         # Locks an enclosing section already holds keep that section's instance: a
         # read there and a write here are one continuous hold.
-        enclosing = set().union(*(locks for locks, _ in sections._enclosing_sections()))
+        enclosing = set().union(*(locks for locks, _ in _enclosing_sections()))
         entries = [
             (id(lock), next(_SECTION_IDS), graph) for lock in ordered if lock not in enclosing
         ]

@@ -117,8 +117,5 @@ __all__ = [
     "share_lock",
 ]
 
-
-# Graph sections live in safevars.sections; these names stay importable from here.
 # Savers (tf.train.Checkpoint, Keras model.save) take the locks of what they save.
 from safevars.locking import checkpoints as _checkpoints  # noqa: E402, F401
-from safevars.sections import graph_section, held_in_graph  # noqa: E402, F401

@@ -42,7 +42,8 @@ from typing import Any
 
 from safevars import _tf_internal as tfi
 from safevars.distribute import on_parameter_server
-from safevars.locking import Guard, guard_of, hold
+from safevars.locking.guard import Guard, guard_of
+from safevars.locking.holding import hold
 
 __all__ = ["guards_in", "install"]
 

@@ -303,7 +303,7 @@ _PROTECTED: dict[int, weakref.ref[Guard]] = {}
 def protect(guard: Guard, variable: Any) -> None:
     """Registers ``variable`` as state that ``guard``'s lock protects.
 
-    Checkpoints (:mod:`safevars.checkpointing`) hold the lock of every registered
+    Checkpoints (:mod:`safevars.locking.checkpoints`) hold the lock of every registered
     variable they save or restore, so what they write is a state that existed.
     """
     key = id(variable)

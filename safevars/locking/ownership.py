@@ -4,8 +4,8 @@ A :class:`~safevars.locking.section_lock.SectionLock` is held by a ``threading.T
 object (``lock._slot == [thread]`` while held), never by a thread identifier, so a new
 thread that reuses an ended thread's identifier is a different holder. Each thread keeps
 the locks it may hold eagerly in a thread-local list (:func:`_held`), pruned lazily by
-the lock order check (:mod:`safevars.locking.lock_order`); graph sections
-(:mod:`safevars.sections`) keep their own per-thread stacks on the same thread-local.
+the lock order check (:mod:`safevars.locking.lock_order`). Graph sections keep their
+own per-thread stacks (:mod:`safevars.sections.tracing`).
 """
 
 from __future__ import annotations

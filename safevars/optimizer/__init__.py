@@ -15,7 +15,7 @@ learning rate, Keras' gradient accumulators, safevars' counters):
 * eagerly under the variables' safevars locks (:func:`safevars.locking.hold`; a plain
   ``tf.Variable`` or ``keras.Variable`` gets its lock from :func:`safevars.wrap`);
 * inside a ``tf.function`` (``model.fit``, custom loops, ``strategy.run``) the update is
-  traced inside the same locks' mutexes (:func:`safevars.locking.graph_section`), so the
+  traced inside the same locks' mutexes (:func:`safevars.sections.graph_section`), so the
   exclusion holds when the graph runs, across threads, graph executions and eager code;
 * each call adds exactly 1 to the version of every variable it wrote.
 
@@ -25,7 +25,7 @@ then takes one lock, however many variables the model has; and
 :func:`safevars.locking.join_versions` to count the versions of a step that writes
 every model variable with one add. In a ``tf.function`` the section spans the whole
 step by default, from the forward pass's reads of the weights (``lock_span="step"``,
-:mod:`safevars.step_span`).
+:mod:`safevars.sections.step_span`).
 
 **Why a class made per optimizer class, not a proxy.** ``SafeOptimizer(adam)`` gives
 ``adam`` the class ``SafeOptimizer[Adam]`` (made once per optimizer class, a subclass of
@@ -80,7 +80,7 @@ NOTES:
     ``layer.kernel.assign(...)`` on a plain Keras variable) are neither locked nor
     counted. Write through :func:`safevars.wrap` or use ``safevars.locked``.
   * Eagerly, and in a ``tf.function`` with ``lock_span="update"`` (or where
-    ``"step"`` falls back, see :mod:`safevars.step_span`), computing the gradient is not
+    ``"step"`` falls back, see :mod:`safevars.sections.step_span`), computing the gradient is not
     part of the section: a gradient may be computed from parameters another thread
     updates before it is applied. That is what ``version=`` and ``max_staleness`` are
     for. With ``lock_span="step"`` (the default) a traced step's reads of the weights

@@ -1,10 +1,10 @@
 """The critical section of one call, and everything it does with every lock held.
 
 :meth:`LockedStepPart._safevars_section` takes the locks: eagerly
-:func:`safevars.locking.hold`, while tracing :func:`safevars.locking.graph_section`
+:func:`safevars.locking.hold`, while tracing :func:`safevars.sections.graph_section`
 (the update is traced inside the locks' mutexes; with ``lock_span="step"``, the default,
 the forward pass's reads of the weights wait for the same section:
-:mod:`safevars.step_span`). Inside,
+:mod:`safevars.sections.step_span`). Inside,
 :meth:`LockedStepPart._safevars_locked_step` applies the policies in one trace-safe
 path (decisions are Python values eagerly and tensors in a graph):
 
@@ -26,7 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from safevars.errors import NonFiniteGradientError, assertion_text
-from safevars.locking import graph_section, hold
+from safevars.locking import hold
 from safevars.optimizer.decisions import (
     all_finite,
     branch,
@@ -38,7 +38,7 @@ from safevars.optimizer.decisions import (
     zero,
 )
 from safevars.optimizer.runtime import _COUNTERS, OptimizerPart, _Step
-from safevars.sections import step_span
+from safevars.sections import graph_section, step_span
 from safevars.staleness import refuse_stale, stale_scale_factor
 
 # The nonfinite="raise" refusal, eagerly (with a final period) and as a run-time
@@ -79,7 +79,7 @@ class LockedStepPart(OptimizerPart):
             span = step_span.plan(tf.compat.v1.get_default_graph(), step.variables)
         if span is None:  # The lock is taken once every gradient is computed.
             graph_section(guards, body, after=step.grads)
-        else:  # From the forward pass's reads to the last write (safevars.step_span).
+        else:  # From the forward pass's reads to the last write (safevars.sections.step_span).
             graph_section(guards, body, after=span.after, gated=span.gated)
 
     def _safevars_locked_step(self, step: _Step, strategy: tf.distribute.Strategy | None) -> None:

@@ -106,7 +106,7 @@ class SafeOptimizer(
         do). ``"update"``: only once every gradient is computed, so threads' forward and
         backward passes overlap (Hogwild-style), at the cost of the update waiting for
         the last gradient. Eager calls lock the update only, either way. See
-        :mod:`safevars.step_span` for when ``"step"`` falls back to ``"update"``.
+        :mod:`safevars.sections.step_span` for when ``"step"`` falls back to ``"update"``.
       name: Optional: sets the optimizer's ``name``.
 
     Returns:

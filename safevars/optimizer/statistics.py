@@ -13,8 +13,9 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from safevars._tf_internal import resource_variable_ops
-from safevars.locking import graph_section, hold
+from safevars.locking import hold
 from safevars.optimizer.runtime import _COUNTERS, OptimizerPart
+from safevars.sections import graph_section
 
 __all__ = ["OptimizerStatistics"]
 

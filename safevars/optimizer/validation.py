@@ -29,7 +29,7 @@ NONFINITE_POLICIES = ("skip", "raise")
 """The values ``nonfinite`` accepts besides ``None`` (no check, the default)."""
 
 LOCK_SPANS = ("step", "update")
-"""The values ``lock_span`` accepts (:mod:`safevars.step_span`)."""
+"""The values ``lock_span`` accepts (:mod:`safevars.sections.step_span`)."""
 
 
 def check_settings(

@@ -6,7 +6,7 @@ hands every acquisition to a thread pool, which costs more than a small write. W
 section follows one traced just before it on exactly the same locks, it joins that
 section instead: its ops run under the earlier section's lock (control dependencies on
 the op that opens it: its last ``MutexLock`` or a gate behind it, see
-:mod:`safevars.section_gate`) and the earlier release waits for them too. Other threads
+:mod:`safevars.sections.gate`) and the earlier release waits for them too. Other threads
 then see both writes or neither, which is stronger than what separate sections promise,
 and the lock is taken once.
 
@@ -24,7 +24,7 @@ only when all of this holds, and the section is traced on its own otherwise:
   may wait for the outside or run other sections (a function call, control flow, a
   queue, an iterator, a collective, a Python function): a joined body runs with the lock
   held, so a value that waits for another lock would be hold-and-wait, the deadlock
-  :func:`safevars.sections._traced_section` is built to avoid, and a value computed from
+  :func:`safevars.sections.section._traced_section` is built to avoid, and a value computed from
   the earlier section's results (which now wait for the later body) would be a cycle;
 * the new body creates no stateful op without a resource input (``Assert``, ``PrintV2``,
   a nested section's release): TensorFlow's automatic control dependencies chain such
@@ -59,7 +59,7 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars.locking import SectionLock
-from safevars.sections import gate as section_gate
+from safevars.sections.gate import Ungated, op_sources
 
 __all__ = [
     "OpenSection",
@@ -131,8 +131,8 @@ class OpenSection:
     end: int  # how many ops the graph had when the section's results were made
     counts: dict[Any, Count]  # guard -> the version count a joining write may add to
     # While the section waits for its last MutexLock directly: the ops that wait for it
-    # (safevars.section_gate); None once it has a gate.
-    ungated: section_gate.Ungated | None = None
+    # (safevars.sections.gate); None once it has a gate.
+    ungated: Ungated | None = None
 
 
 # Per-graph state lives on the graph object itself, never in a map keyed by graph: the
@@ -146,7 +146,7 @@ _DEPENDS_ATTRIBUTE = "_safevars_depends_on_section"  # {op: depends on a section
 # automatic control dependencies, which are added when the function is finished
 _LOCK = threading.Lock()
 # Per thread: a stack of [graph, depth, deferred counts] for the section bodies being
-# traced (sections._traced_section pushes one around each body).
+# traced (sections.section._traced_section pushes one around each body).
 _local = threading.local()
 
 
@@ -156,7 +156,7 @@ def deferring(graph: Any, depth: int) -> Iterator[list[tuple[Any, Any, int]]]:
     to the section (:func:`defer_count`) as ``(guard, write op, writes)``.
 
     ``depth`` is the length of the stack of section bodies being traced
-    (``sections._graph_held``) with this one pushed: a count is deferred only by the
+    (``tracing._graph_held``) with this one pushed: a count is deferred only by the
     body at the top, never into an enclosing section's list.
     """
     stack = _local.__dict__.setdefault("deferred", [])
@@ -306,7 +306,7 @@ def _may_join(graph: Any, section: OpenSection, created: list[Any]) -> bool:
     return not any(
         _depends_on_section(graph, source)
         for op in created
-        for source in section_gate.op_sources(op)
+        for source in op_sources(op)
         if source not in own
     )
 
@@ -346,11 +346,11 @@ def _depends_on_section(graph: Any, op: Any) -> bool:
             memo[current] = True
             stack.pop()
             continue
-        pending = [s for s in section_gate.op_sources(current) if s not in memo]
+        pending = [s for s in op_sources(current) if s not in memo]
         if pending:
             stack.extend(pending)
             continue
-        memo[current] = any(memo[s] for s in section_gate.op_sources(current))
+        memo[current] = any(memo[s] for s in op_sources(current))
         stack.pop()
     return memo[op]
 

@@ -9,7 +9,7 @@ and which reads it must gate:
 * The section's ``MutexLock`` waits for every op traced before it that may wait for
   something outside the function or take other locks (another section's ops, a function
   call, control flow, a queue, an iterator, a collective, a Python function:
-  :func:`safevars.lock_coarsening.may_wait_or_lock`): none of those runs while the lock is held,
+  :func:`safevars.sections.coarsening.may_wait_or_lock`): none of those runs while the lock is held,
   so the lock is never held while waiting for another thread, a peer or Python code that
   might want it (hold-and-wait).
 * Every read of the step's variables traced after the last such op waits for the
@@ -48,8 +48,8 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars.sections import coarsening as lock_coarsening
-from safevars.sections.section import _enclosing_sections
+from safevars.sections.coarsening import may_wait_or_lock
+from safevars.sections.tracing import _enclosing_sections
 
 __all__ = ["READ_OPS", "Span", "opening", "plan"]
 
@@ -107,7 +107,7 @@ def opening(graph: Any) -> tuple[Any, ...] | None:
     its ``MutexLock``, so that computing them does not hold the lock; the ``MutexLock``
     then completes on the mutex's own thread after the last input, and its latency adds
     to the function's. Waiting only for the ops traced so far that may wait or take
-    locks (:func:`safevars.lock_coarsening.may_wait_or_lock`) takes the
+    locks (:func:`safevars.sections.coarsening.may_wait_or_lock`) takes the
     lock as early as is safe: while the inputs are still being computed, so the
     ``MutexLock`` overlaps that work. The lock is then held while the inputs are
     computed (other threads' sections on it wait longer; their own computation does
@@ -134,7 +134,7 @@ def _blocking(ops: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
     after = []
     start = 0
     for index, op in enumerate(ops):
-        if lock_coarsening.may_wait_or_lock(op):
+        if may_wait_or_lock(op):
             after.append(op)
             start = index + 1
     return tuple(after), start

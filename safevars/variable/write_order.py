@@ -2,7 +2,7 @@
 op traced before it; and every write waits for the version count of the one before it,
 or for that write itself when its section counts it (a plain write, whose count the
 section traces after it and shares with the writes that join it:
-:mod:`safevars.lock_coarsening`).
+:mod:`safevars.sections.coarsening`).
 
 :func:`program_order` is opened by :func:`safevars.transaction` around its ``fn`` while
 tracing; :func:`_earlier_ops` is what a SafeVariable's graph write adds as control

@@ -249,7 +249,7 @@ class _Writes(_SafeVariableFields):
         if type(tensor) in (int, float) and not tf.executing_eagerly():
             # A Python number (see _checked) becomes a constant here, outside the section:
             # made inside, it would be one more op the lock makes ready (a root of the
-            # section, safevars.section_gate), one per write.
+            # section, safevars.sections.gate), one per write.
             tensor = tf.constant(tensor, self._self_dtype)
         wrapped_method = getattr(wrapped, method)
         return self._write(
