@@ -57,25 +57,31 @@ NOTES:
   inside the section (raising :class:`~safevars.LockReentryError`) but cannot see a
   function traced elsewhere and merely called inside the section: do not do that.
 
-Where things live (one idea per file):
+Where things live (one idea per file; each imports only modules listed above it):
 
-* ``lock_order.py``: the global lock order (``sorted_locks``) and its check.
-* ``section_lock.py``: :class:`SectionLock`, the lock itself, and its run-time mode.
-* ``acquisition.py``: taking a lock (holder recorded atomically, takeover from an
-  ended thread, the run-time mutex taken eagerly, timeouts, ``check_timeout``).
+* ``statistics.py``: :class:`LockStatistics`, :func:`held_locks`/:class:`HeldLock`, the
+  registry of live locks, and the hook for the duplicate counters of
+  :mod:`safevars.exactly_once`.
+* ``section_lock.py``: :class:`SectionLock`, the lock's state, its place in the order
+  (``_ORDER``) and the guards under it.
 * ``ownership.py``: who holds what (the holder record, each thread's held list, where
   a lock was taken).
+* ``lock_order.py``: the global lock order (``sorted_locks``) and its check.
+* ``acquisition.py``: taking a lock (``enter``: holder recorded atomically, takeover
+  from an ended thread, the run-time mutex taken eagerly, timeouts, ``check_timeout``).
 * ``holding.py``: :class:`hold`, several locks at once (``safevars.locked``).
+* ``runtime_mode.py``: a lock's switch to run-time mode (its ``tf.CriticalSection``).
+* ``joint_counter.py``: :class:`JointCounter`, the counter of joint versions.
 * ``guard.py``: :class:`Guard`, a variable's version and lock (``call_locked``,
   ``write_counted``), and ``protect``/``guard_of``/``guards_of``.
-* ``sharing.py``: :func:`share_lock`.
 * ``joint_versions.py``: :func:`join_versions`, one counter for the versions of
   variables always written together (one add per step instead of one per variable).
+* ``sharing.py``: :func:`share_lock`.
 * ``saved_model.py``: what ``tf.saved_model.save`` needs to export functions that take
   locks (the mutexes and counters they capture, as resources the loader creates).
-* ``statistics.py``: :class:`LockStatistics`, :func:`held_locks`/:class:`HeldLock`, the
-  duplicate counters of :mod:`safevars.exactly_once`.
-* Graph sections (``tf.function``): :mod:`safevars.sections`.
+* ``checkpoints.py``: ``tf.train.Checkpoint`` and Keras' savers take the locks of what
+  they save or restore (installed when this package is imported).
+* Graph sections (``tf.function``) are :mod:`safevars.sections`, a layer above.
 
 Besides ``__all__``, this package re-exports (``name as name``) the internal names that
 other safevars modules reach as ``safevars.locking.<name>``.
@@ -87,14 +93,16 @@ from safevars.locking.guard import Guard, guard_of, guards_of, protect
 from safevars.locking.guard import _VersionVariable as _VersionVariable
 from safevars.locking.holding import hold
 from safevars.locking.holding import hold_locks as hold_locks
-from safevars.locking.joint_versions import JointCounter, join_versions
+from safevars.locking.joint_counter import JointCounter
 from safevars.locking.joint_versions import bump_eager_together as bump_eager_together
 from safevars.locking.joint_versions import bump_graph_together as bump_graph_together
+from safevars.locking.joint_versions import join_versions
 from safevars.locking.lock_order import sorted_locks as sorted_locks
 from safevars.locking.ownership import _current_thread as _current_thread
 from safevars.locking.ownership import _held as _held
 from safevars.locking.ownership import _holding as _holding
-from safevars.locking.ownership import _local as _local
+from safevars.locking.runtime_mode import ensure_runtime as ensure_runtime
+from safevars.locking.runtime_mode import undo_runtime as undo_runtime
 from safevars.locking.section_lock import SectionLock
 from safevars.locking.section_lock import _guards_of_lock as _guards_of_lock
 from safevars.locking.sharing import share_lock

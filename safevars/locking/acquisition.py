@@ -1,5 +1,8 @@
 """Taking one lock: the acquire that records its holder, takeovers, the run-time mutex.
 
+* :func:`enter` takes a lock the calling thread does not hold and opens its section
+  (depth 1, odd sequence number, where it was taken, the run-time mutex), or leaves it
+  not held on any exception.
 * :func:`_take` acquires the ``threading.Lock`` and records the holder in one C call:
   an interrupt lands either before (nothing taken) or after (the holder's handler sees
   itself in the slot).
@@ -21,7 +24,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from safevars import _tf_internal as tfi
-from safevars.errors import InvalidArgumentError, LockTimeoutError
+from safevars.distribute import on_parameter_server
+from safevars.errors import InvalidArgumentError, LockTimeoutError, UnsupportedStrategyError
+from safevars.locking.ownership import _caller_location
 
 if TYPE_CHECKING:
     from safevars.locking.section_lock import SectionLock
@@ -29,6 +34,45 @@ if TYPE_CHECKING:
 
 _TAKEOVER = threading.Lock()  # Serializes taking a lock back from a dead holder.
 _POLL = 0.25  # Seconds between dead-holder checks while waiting for a lock.
+
+
+def _check_coordinator(lock: SectionLock) -> None:
+    if lock.runtime and on_parameter_server(lock.device):
+        # An eager MutexLock from the coordinator on a parameter server's mutex,
+        # while scheduled steps take it too, was measured to hang: refuse instead.
+        raise UnsupportedStrategyError(
+            f"{lock.name!r} lives on a parameter server and is locked by tf.functions "
+            "there; an eager write, transaction or snapshot from the coordinator "
+            "cannot take that lock safely. Do it inside a tf.function (scheduled with "
+            "ClusterCoordinator.schedule, or called on the coordinator)."
+        )
+
+
+def enter(lock: SectionLock, me: threading.Thread, timeout: float | None) -> None:
+    """Takes ``lock`` for ``me`` (which does not hold it) and opens the section.
+
+    On return the lock is held with depth 1 and an odd sequence number; on an
+    exception (timeout, interrupt) it is not held. The caller checked the order.
+    """
+    _check_coordinator(lock)
+    slot = lock._slot
+    try:
+        _take(lock, me, timeout)
+        lock._depth = 1
+        lock.seq += 1
+        lock._since = time.monotonic()
+        lock._where = _caller_location()
+        if lock.runtime:
+            lock._token = _mutex_lock(lock, timeout)
+    except BaseException:
+        if slot and slot[0] is me:  # Taken in this call: give it back, no calls first.
+            if lock.seq & 1:
+                lock.seq += 1
+            lock._depth = 0
+            lock._token = None
+            del slot[:]
+            lock._mutex.release()
+        raise
 
 
 def _take(lock: SectionLock, me: threading.Thread, timeout: float | None) -> None:

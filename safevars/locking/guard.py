@@ -22,10 +22,12 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars.errors import InvalidArgumentError
+from safevars.locking.acquisition import enter
 from safevars.locking.holding import hold
-from safevars.locking.joint_versions import JointCounter
+from safevars.locking.joint_counter import JointCounter
 from safevars.locking.lock_order import _check_order
 from safevars.locking.ownership import _current_thread, _held, _holding
+from safevars.locking.runtime_mode import ensure_runtime, undo_runtime
 from safevars.locking.section_lock import _GUARDS_BY_LOCK, SectionLock, _guards_of_lock
 from safevars.locking.statistics import LockStatistics, _duplicates_of
 
@@ -149,7 +151,7 @@ class Guard:
             if held:
                 _check_order(held, lock, me)
             try:
-                lock._enter(me, timeout)
+                enter(lock, me, timeout)
                 if self.lock is not lock:  # share_lock moved us while we waited.
                     continue
                 held.append(lock)
@@ -220,7 +222,7 @@ class Guard:
     def version(self) -> int | tf.Tensor:
         """The version: an ``int`` eagerly, an int64 tensor while tracing a graph."""
         if not tf.executing_eagerly():
-            self.lock.ensure_runtime(self.owned())
+            ensure_runtime(self.lock, self.owned())
             self.lock.graph_uses += 1
             return self.graph_version()
         if self.lock.runtime:
@@ -269,10 +271,10 @@ class Guard:
             self._version = int(self.version_var.numpy()) + self._joint_value()
 
     def ensure_runtime(self) -> bool:
-        return self.lock.ensure_runtime(self.owned())
+        return ensure_runtime(self.lock, self.owned())
 
     def undo_runtime(self) -> None:
-        self.lock.undo_runtime()
+        undo_runtime(self.lock)
 
     def statistics(self) -> LockStatistics:
         lock = self.lock

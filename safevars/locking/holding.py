@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from safevars.locking.lock_order import _check_order, sorted_locks
+from safevars.locking.acquisition import enter
+from safevars.locking.lock_order import HasLock, _check_order, sorted_locks
 from safevars.locking.ownership import _current_thread, _held, _holding
 
 if TYPE_CHECKING:
-    from safevars.locking.guard import Guard
     from safevars.locking.section_lock import SectionLock
 
 
@@ -33,9 +33,9 @@ class _Hold:
 
     __slots__ = ("_n", "_locks", "_timeout", "_guards")
 
-    def __init__(self, guards: Iterable[Guard], timeout: float | None = None) -> None:
+    def __init__(self, guards: Iterable[HasLock], timeout: float | None = None) -> None:
         self._n = 0  # How many of _locks this context holds (a prefix, in order).
-        self._guards: list[Guard] | None = list(guards)
+        self._guards: list[HasLock] | None = list(guards)
         self._locks = sorted_locks(self._guards)
         self._timeout = timeout
 
@@ -64,7 +64,7 @@ class _Hold:
                     self._n = index + 1
                     continue
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                lock._enter(me, remaining)
+                enter(lock, me, remaining)
                 self._n = index + 1
                 held.append(lock)
         except BaseException:

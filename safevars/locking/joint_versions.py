@@ -34,44 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from safevars import _tf_internal as tfi
 from safevars.locking.holding import hold_locks
+from safevars.locking.joint_counter import JointCounter
 
 if TYPE_CHECKING:
     from safevars.locking.guard import Guard
 
-__all__ = ["JointCounter", "bump_eager_together", "bump_graph_together", "join_versions"]
-
-
-class JointCounter:
-    """The counter whose value adds to the version of each of its members.
-
-    Attributes:
-      variable: The int64 scalar resource variable, on the members' device.
-      size: How many guards it counts for.
-    """
-
-    __slots__ = ("variable", "size", "__weakref__")
-
-    def __init__(self, guards: Sequence[Guard], device: str) -> None:
-        with tf.init_scope(), tf.device(device):
-            self.variable = tfi.ResourceVariable(
-                initial_value=tf.constant(0, tf.int64),
-                trainable=False,
-                name="safevars_joint_versions",
-                shape=(),
-            )
-        self.size = len(guards)
-
-    def counts_exactly(self, guards: Sequence[Guard]) -> bool:
-        """Whether ``guards`` (distinct) are exactly this counter's members."""
-        if len(guards) != self.size or len({id(g) for g in guards}) != self.size:
-            return False
-        return all(g.joint is self for g in guards)
-
-    def value(self) -> int:
-        """The counter, eagerly (the caller holds a member's lock)."""
-        return int(self.variable.numpy())
+__all__ = ["bump_eager_together", "bump_graph_together", "join_versions"]
 
 
 def join_versions(guards: Sequence[Guard]) -> bool:

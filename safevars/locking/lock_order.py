@@ -1,6 +1,7 @@
 """The global lock order, and the check that keeps every thread inside it.
 
-Locks are ordered by creation (:attr:`SectionLock.order`, drawn from ``_ORDER``).
+Locks are ordered by creation (:attr:`SectionLock.order`, drawn from
+``section_lock._ORDER``).
 Sections that name several locks take them in that order (:func:`sorted_locks`), which
 rules out deadlock. A thread that holds some locks may take more only in increasing
 order: :func:`_check_order` raises :class:`~safevars.LockOrderError` otherwise, *before*
@@ -10,20 +11,23 @@ keeps the earliest place among them.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from safevars.errors import LockOrderError
 from safevars.locking.ownership import _holding
 
 if TYPE_CHECKING:
-    from safevars.locking.guard import Guard
     from safevars.locking.section_lock import SectionLock
 
 
-_ORDER = itertools.count()
+class HasLock(Protocol):
+    """Anything with a lock (a :class:`~safevars.locking.Guard`): what is sorted."""
+
+    @property
+    def lock(self) -> SectionLock:
+        """The lock it is protected by."""
 
 
 def _check_order(held: list[SectionLock], first_new: SectionLock, me: threading.Thread) -> None:
@@ -41,6 +45,6 @@ def _check_order(held: list[SectionLock], first_new: SectionLock, me: threading.
         )
 
 
-def sorted_locks(guards: Iterable[Guard]) -> list[SectionLock]:
+def sorted_locks(guards: Iterable[HasLock]) -> list[SectionLock]:
     """The distinct locks of ``guards``, in the global order."""
     return sorted({id(g.lock): g.lock for g in guards}.values(), key=lambda lock: lock.order)

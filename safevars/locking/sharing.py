@@ -16,6 +16,7 @@ import tensorflow as tf
 from safevars.distribute import on_parameter_server
 from safevars.locking.holding import hold_locks
 from safevars.locking.lock_order import sorted_locks
+from safevars.locking.runtime_mode import drop_runtime, ensure_runtime
 from safevars.locking.section_lock import _GUARDS_BY_LOCK, _guards_of_lock
 
 if TYPE_CHECKING:
@@ -66,8 +67,8 @@ def share_lock(guards: Sequence[Guard]) -> bool:
                 old_set.discard(guard)
             target.names.append(guard.name)
     if runtime and not target.runtime:
-        target.ensure_runtime(False)
+        ensure_runtime(target, False)
     for lock in locks[1:]:
         if not _guards_of_lock(lock):
-            lock.drop_runtime()
+            drop_runtime(lock)
     return True

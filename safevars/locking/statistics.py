@@ -3,8 +3,9 @@
 :class:`LockStatistics` is the frozen record ``SafeVariable.statistics()`` returns.
 :func:`held_locks` lists every lock held right now (:class:`HeldLock`) from ``_LOCKS``,
 the set of live locks every :class:`~safevars.locking.section_lock.SectionLock` joins.
-``DUPLICATE_COUNTERS`` is where :mod:`safevars.exactly_once` registers the counters
-behind :attr:`LockStatistics.duplicates_discarded`.
+``DUPLICATE_COUNTERS`` is the hook where :mod:`safevars.exactly_once` registers the
+counters behind :attr:`LockStatistics.duplicates_discarded`. The bottom of
+:mod:`safevars.locking`: it imports none of the package's other modules.
 """
 
 from __future__ import annotations
@@ -12,14 +13,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from safevars.locking.guard import Guard
-    from safevars.locking.section_lock import SectionLock
-
-
-_LOCKS: weakref.WeakSet[SectionLock] = weakref.WeakSet()
+from typing import Any, NamedTuple, Protocol
 
 
 class LockStatistics(NamedTuple):
@@ -82,6 +76,17 @@ class HeldLock(NamedTuple):
     runtime_mode: bool
 
 
+class _Recorded(Protocol):
+    """What :func:`held_locks` needs of a live lock (a ``SectionLock``)."""
+
+    def held_record(self, now: float) -> HeldLock | None:
+        """Who holds the lock, since when, taken where; None while it is free."""
+
+
+# Every live lock; each SectionLock adds itself when it is made.
+_LOCKS: weakref.WeakSet[_Recorded] = weakref.WeakSet()
+
+
 def held_locks() -> list[HeldLock]:
     """Every safevars lock held right now: by which thread, since when, taken where.
 
@@ -100,12 +105,10 @@ def held_locks() -> list[HeldLock]:
 
 
 # Guard -> a no-argument function returning how many duplicates were discarded for it;
-# registered by safevars.exactly_once for the variables it protects.
-DUPLICATE_COUNTERS: weakref.WeakKeyDictionary[Guard, Callable[[], int]] = (
-    weakref.WeakKeyDictionary()
-)
+# the hook safevars.exactly_once registers the variables it protects with.
+DUPLICATE_COUNTERS: weakref.WeakKeyDictionary[Any, Callable[[], int]] = weakref.WeakKeyDictionary()
 
 
-def _duplicates_of(guard: Guard) -> int:
+def _duplicates_of(guard: object) -> int:
     counter = DUPLICATE_COUNTERS.get(guard)
     return int(counter()) if counter is not None else 0

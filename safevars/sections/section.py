@@ -80,12 +80,14 @@ def lock_section(
     an XLA context while the call op is built.
     """
     me = locking._current_thread()
-    switched = [lock for lock in ordered if lock.ensure_runtime(locking._holding(lock, me))]
+    switched = [
+        lock for lock in ordered if locking.ensure_runtime(lock, locking._holding(lock, me))
+    ]
     try:
         result = _traced_section(ordered, fn, after, compiled_call, gated)
     except BaseException:
         for lock in switched:  # A failed trace changes nothing, not even the lock mode.
-            lock.undo_runtime()
+            locking.undo_runtime(lock)
         raise
     for lock in ordered:
         lock.graph_uses += 1
