@@ -71,7 +71,7 @@ class SectionLock:
         self.gate: Any = None  # Run-time mode: the variable whose read opens a section.
         self.graph_uses = 0
         self.takeovers = 0
-        self.contended = 0  # Snapshots left that skip the optimistic read (snapshot.py).
+        self.contended = 0  # Snapshots left that skip the optimistic read (variable/snapshots.py).
         _LOCKS.add(self)
 
     @property

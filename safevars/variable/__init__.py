@@ -5,6 +5,9 @@ Where things live (one idea per file):
 * ``safe_variable.py``: the class :class:`SafeVariable` (what it guarantees and what
   not), construction, identity, copies and pickling, versions, snapshots, checkpoints,
   tensor conversion.
+* ``snapshots.py``: :class:`~safevars.Snapshot` and how snapshots are read (the
+  optimistic sequence-lock read, or under the locks); the public
+  :func:`safevars.snapshot` is a layer above, in ``safevars/snapshot.py``.
 * ``writes.py``: every write (``assign*``, slice assignment, ``update``,
   ``compare_and_assign``): the lock, the version count, the dtype and shape check, the
   eager fast path.

@@ -48,9 +48,9 @@ from safevars._tf_internal import (
 from safevars.distribute import check_strategy
 from safevars.locking import Guard, LockStatistics
 from safevars.locking.saved_model import saved_guards
-from safevars.snapshot import Snapshot, take_snapshots
 from safevars.variable.checks import _static_shape
 from safevars.variable.scatter import _Scatter
+from safevars.variable.snapshots import Snapshot, take_snapshots
 from safevars.variable.writes import _Writes
 
 # One guard per wrapped tf.Variable, so that wrap(v) twice still excludes itself.

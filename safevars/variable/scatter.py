@@ -10,7 +10,7 @@ nothing. The methods are made once per name (``_SCATTER_METHODS``) on the mixin
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -18,10 +18,7 @@ import tensorflow as tf
 from safevars._validation import short
 from safevars.distribute import merge_context
 from safevars.errors import IndexOutOfRangeError, UnsupportedStrategyError, assertion_text
-
-if TYPE_CHECKING:
-    from safevars.variable.safe_variable import SafeVariable
-
+from safevars.variable.writes import _Writes
 
 _SCATTER_METHODS = (
     "scatter_add",
@@ -41,7 +38,7 @@ _SCATTER_METHODS = (
 
 
 def _make(method: str) -> Callable[..., Any]:
-    def scatter(self: SafeVariable, *args: Any, **kwargs: Any) -> Any:
+    def scatter(self: _Writes, *args: Any, **kwargs: Any) -> Any:
         if self._self_mirrored and merge_context(self.__wrapped__) is not None:
             raise UnsupportedStrategyError(
                 f"{method} on a mirrored variable inside strategy.run is not "
@@ -85,7 +82,7 @@ del _method
 del _Scatter.__slots__
 
 
-def _index_check(variable: SafeVariable, method: str, args: tuple, kwargs: dict) -> Any:
+def _index_check(variable: _Writes, method: str, args: tuple, kwargs: dict) -> Any:
     """Checks the indices of a scatter before it writes anything.
 
     Plain TensorFlow's scatter kernels write the rows before a bad index and then fail;

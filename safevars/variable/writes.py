@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         _self_number_kind: type[float] | type[int] | None
         _self_handle: Any
         _self_validate_shape: bool
+        shape: tf.TensorShape  # The wrapped variable's (the proxy forwards it).
 
 else:
     _SafeVariableFields = object  # Nothing at run time: no attribute shadows the proxy's.
