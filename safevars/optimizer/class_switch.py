@@ -6,13 +6,17 @@ optimizer and the settings (nothing changes if one is refused), attaches the
 :class:`~safevars.optimizer.runtime._Runtime`, and sets ``opt.__class__`` to
 ``SafeOptimizer[type(opt)]`` (a subclass of both, made once per optimizer class by
 :func:`_safe_class` and registered for saving). The same object is returned.
+
+``safe_optimizer.py`` is above this module: it registers ``SafeOptimizer`` here once the
+class is defined (:func:`register_root`, the root-class hook), and a safe optimizer is
+recognised by its metaclass.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
@@ -21,9 +25,6 @@ from safevars.errors import InvalidArgumentError
 from safevars.optimizer.runtime import _Runtime
 from safevars.optimizer.serialization import MODULE, register
 from safevars.optimizer.validation import check_settings
-
-if TYPE_CHECKING:
-    from safevars.optimizer.safe_optimizer import SafeOptimizer
 
 
 class _SafeOptimizerType(type):
@@ -37,10 +38,25 @@ class _SafeOptimizerType(type):
         base = cls.__dict__.get("_safevars_base")
         if base is None:
             return _make_safe(*args, **kwargs)
-        from safevars.optimizer.safe_optimizer import SafeOptimizer
-
         made = base(*args, **kwargs)
-        return made if isinstance(made, SafeOptimizer) else _make_safe(made)
+        return made if _is_safe(made) else _make_safe(made)
+
+
+def _is_safe(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a SafeOptimizer: its class was made by the metaclass."""
+    return isinstance(type(optimizer), _SafeOptimizerType)
+
+
+# The root-class hook: SafeOptimizer, registered by safe_optimizer.py once it is defined
+# (that module imports this one, so this one cannot import it).
+_ROOT: list[type] = []
+
+
+def register_root(cls: type) -> None:
+    """Registers ``cls`` (``SafeOptimizer``) as the base of every class made here, and
+    as ``cls._safevars_root``, where its subclasses' methods find it."""
+    cls._safevars_root = cls  # type: ignore[attr-defined]
+    _ROOT[:] = [cls]
 
 
 _CLASSES: dict[type, type] = {}
@@ -49,8 +65,7 @@ _CLASSES_LOCK = threading.Lock()
 
 def _safe_class(base: type) -> type:
     """``SafeOptimizer[base]``: made once per optimizer class, registered for saving."""
-    from safevars.optimizer.safe_optimizer import SafeOptimizer
-
+    (SafeOptimizer,) = _ROOT
     with _CLASSES_LOCK:
         made = _CLASSES.get(base)
         if made is None:
@@ -80,8 +95,6 @@ def _safe_class(base: type) -> type:
 
 
 def _resolve(optimizer: Any) -> keras.optimizers.Optimizer:
-    from safevars.optimizer.safe_optimizer import SafeOptimizer
-
     if isinstance(optimizer, (str, dict)):
         try:
             optimizer = keras.optimizers.get(optimizer)
@@ -94,7 +107,7 @@ def _resolve(optimizer: Any) -> keras.optimizers.Optimizer:
             f"optimizer must be a keras.optimizers.Optimizer (for example "
             f"keras.optimizers.Adam()), got {short(optimizer)}."
         )
-    if isinstance(optimizer, SafeOptimizer):
+    if _is_safe(optimizer):
         raise InvalidArgumentError(
             f"optimizer {optimizer.name!r} is already safe (SafeOptimizer returns the "
             "optimizer it makes safe); use it as it is."
@@ -113,8 +126,12 @@ def _make_safe(
     lock_span: str = "step",
     name: str | None = None,
     **kwargs: Any,
-) -> SafeOptimizer:
-    """Implements ``SafeOptimizer(...)``: checks everything, then changes the class."""
+) -> keras.optimizers.Optimizer:
+    """Implements ``SafeOptimizer(...)``: checks everything, then changes the class.
+
+    Returns the optimizer, now a ``SafeOptimizer`` (``SafeOptimizer.__signature__`` says
+    so; this module cannot name the class).
+    """
     optimizer = _resolve(optimizer)
     settings = check_settings(
         accumulate_steps, max_staleness, on_stale, nonfinite, deterministic, kwargs, lock_span

@@ -26,7 +26,7 @@ from safevars import locking
 from safevars._validation import short
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.optimizer.accumulation import AccumulationPart, _make_accumulator
-from safevars.optimizer.class_switch import _make_safe, _SafeOptimizerType
+from safevars.optimizer.class_switch import _make_safe, _SafeOptimizerType, register_root
 from safevars.optimizer.coordinator import CoordinatorPart
 from safevars.optimizer.decisions import in_xla_context
 from safevars.optimizer.keras_update import KerasUpdatePart
@@ -378,4 +378,8 @@ def _nested_safe_optimizers(optimizer: Any) -> list[SafeOptimizer]:
     return found
 
 
-SafeOptimizer.__signature__ = inspect.signature(_make_safe)  # what SafeOptimizer(...) takes
+register_root(SafeOptimizer)  # The root-class hook: class_switch derives from it.
+# What SafeOptimizer(...) takes and returns (_make_safe cannot name SafeOptimizer).
+SafeOptimizer.__signature__ = inspect.signature(_make_safe).replace(
+    return_annotation="SafeOptimizer"
+)

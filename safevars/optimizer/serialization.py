@@ -16,7 +16,7 @@ dependencies are those of the plain one (see ``runtime.SafevarsState``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import keras
 
@@ -24,9 +24,6 @@ from safevars._tf_internal import keras_internal
 from safevars.errors import InvalidArgumentError
 from safevars.locking.saved_model import saved_guards
 from safevars.optimizer.runtime import OptimizerPart
-
-if TYPE_CHECKING:
-    from safevars.optimizer.safe_optimizer import SafeOptimizer
 
 MODULE = "safevars.optimizer"
 """The ``__module__`` of SafeOptimizer and of the classes made from it (configs, pickles)."""
@@ -53,7 +50,13 @@ def class_identity(cls: type) -> dict[str, Any]:
 
 
 class SerializationPart(OptimizerPart):
-    """SafeOptimizer's part for Keras configs, pickling and SavedModels."""
+    """SafeOptimizer's part for Keras configs, pickling and SavedModels.
+
+    ``_safevars_root`` is ``SafeOptimizer`` itself (set by the root-class hook,
+    ``class_switch.register_root``): this module is below ``safe_optimizer.py``.
+    """
+
+    _safevars_root: ClassVar[type[Any]]
 
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
         """For ``tf.saved_model.save`` also what its traced updates capture: the
@@ -86,14 +89,13 @@ class SerializationPart(OptimizerPart):
     @classmethod
     def from_config(
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
-    ) -> SafeOptimizer:
+    ) -> Any:
         """Rebuilds a safe optimizer from :meth:`get_config`.
 
         Also takes the config of safevars 0.1 (``{"optimizer": ..., settings}``) and, on
         a class made for one optimizer class, that optimizer's plain config.
         """
-        from safevars.optimizer.safe_optimizer import SafeOptimizer
-
+        root = cls._safevars_root  # SafeOptimizer
         config = dict(config)
         settings = config.pop("safevars", None)
         if settings is None:
@@ -103,25 +105,23 @@ class SerializationPart(OptimizerPart):
                     config.pop("optimizer"), custom_objects=custom_objects
                 )
                 config.pop("name", None)
-                return SafeOptimizer(inner, **config)
+                return root(inner, **config)
             base = cls.__dict__.get("_safevars_base")
             if base is None:
                 raise InvalidArgumentError(
                     "SafeOptimizer.from_config needs a config from SafeOptimizer."
                     f"get_config() (with a 'safevars' entry); got keys {sorted(config)}."
                 )
-            return SafeOptimizer(base.from_config(config, custom_objects=custom_objects))
+            return root(base.from_config(config, custom_objects=custom_objects))
         settings = dict(settings)
         identity = settings.pop("optimizer")
         inner = keras.saving.deserialize_keras_object(
             {**identity, "config": config}, custom_objects=custom_objects
         )
-        return SafeOptimizer(inner, **settings)
+        return root(inner, **settings)
 
     def __reduce__(self) -> Any:
         # Keras pickles through its saving format; the class made for this optimizer's
         # class has no importable name, so unpickle through SafeOptimizer.
-        from safevars.optimizer.safe_optimizer import SafeOptimizer
-
         reduced = super().__reduce__()
-        return (SafeOptimizer._unpickle_model, reduced[1])
+        return (self._safevars_root._unpickle_model, reduced[1])
