@@ -114,19 +114,21 @@ NOTES:
 Where things live
 =================
 
-* ``context_manager.py``: :func:`audit`, the entry point.
+Bottom to top: each module imports only modules listed before it.
+
 * ``report.py``: :class:`AuditReport`, :class:`Race` and their text; the race kinds and
   evidences.
 * ``happens_before.py``: the analysis: vector clocks per thread (program order,
   ``Thread.start``/``join``), the lock sets of an access, the detector (windows,
-  conflicts, findings).
-* ``recording.py``: the hooks that record eager accesses, critical sections and thread
-  starts/joins.
-* ``tf_function.py``: accesses traced into a ``tf.function`` and replayed at each call.
+  conflicts, findings) and the lock that guards it.
+* ``active.py``: the audits active now and the state they share.
 * ``sites.py``: the user line of an access (stack frames classified by file, AutoGraph's
   generated code mapped back).
+* ``tf_function.py``: accesses traced into a ``tf.function`` and replayed at each call.
+* ``recording.py``: the hooks that record eager accesses, critical sections and thread
+  starts/joins.
 * ``patching.py``: what is patched, installed by the first audit and removed by the last.
-* ``active.py``: the audits active now and the state they share.
+* ``context_manager.py``: :func:`audit`, the entry point.
 """
 
 from safevars.audit import report

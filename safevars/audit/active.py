@@ -9,16 +9,11 @@ them as ``active._ACTIVE`` / ``active._SESSION`` at the moment it needs them (a
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING
+from safevars.audit.happens_before import _DETECT_LOCK, _Access, _Detector, _Session
 
-if TYPE_CHECKING:
-    from safevars.audit.happens_before import _Access, _Detector, _Session
+__all__ = ["_DETECT_LOCK"]  # Guards every detector, _ACTIVE and the function summaries.
 
 _SESSION: _Session | None = None
-
-# Guards every detector, ``_ACTIVE`` and the traced-function summaries.
-_DETECT_LOCK = threading.Lock()
 
 _ACTIVE: tuple[_Detector, ...] = ()
 

@@ -29,6 +29,9 @@ _EMPTY: frozenset[Any] = frozenset()
 _SEQ = itertools.count(1)  # next() on itertools.count is atomic under the GIL.
 _SECTION_IDS = itertools.count(1)
 
+# Guards every detector, ``active._ACTIVE`` and the traced-function summaries.
+_DETECT_LOCK = threading.Lock()
+
 
 # ---------------------------------------------------------------------- threads, clocks
 
@@ -254,7 +257,8 @@ class _Finding:
 
 
 class _Detector:
-    """The findings of one audit. Every method runs with ``_DETECT_LOCK`` held."""
+    """The findings of one audit. :meth:`observe` and what it calls run with
+    ``_DETECT_LOCK`` held; :meth:`races` and :meth:`to_dict` take it."""
 
     def __init__(self, predictive: bool) -> None:
         self.predictive = predictive
@@ -351,3 +355,28 @@ class _Detector:
         for access in accesses:
             finding.threads.add(access.tname)
             finding.contexts.add(access.context)
+
+    def races(self) -> list[Race]:
+        """The findings so far, frozen (``AuditReport.races``)."""
+        with _DETECT_LOCK:
+            return [f.frozen() for f in self.findings.values()]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The audit as plain data (``AuditReport.to_dict``), a consistent copy."""
+        with _DETECT_LOCK:
+            return {
+                "active": not self.closed,
+                "predictive": self.predictive,
+                "races": [dataclasses.asdict(f.frozen()) for f in self.findings.values()],
+                "accesses": {
+                    "eager_or_replayed_reads": self.reads,
+                    "eager_or_replayed_writes": self.writes,
+                    "traced": self.traced,
+                },
+                "threads": sorted(self.threads),
+                "variables": sorted(v.name for v in self.vars.values()),
+                "functions": {
+                    "calls": dict(self.calls),
+                    "not_analysed": dict(self.unanalysed),
+                },
+            }

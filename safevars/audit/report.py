@@ -2,7 +2,8 @@
 
 The race kinds (``LOST_UPDATE``, ``CONCURRENT_WRITE``) and evidences (``OBSERVED``,
 ``PREDICTED``) are defined here; the analysis that finds them is in
-``happens_before.py``.
+``happens_before.py``, above this module: a report asks its detector for a copy of its
+findings (:class:`Detecting`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import os
-from typing import TYPE_CHECKING, Any
-
-from safevars.audit.active import _DETECT_LOCK
-
-if TYPE_CHECKING:
-    from safevars.audit.happens_before import _Detector
+from typing import Any, Protocol
 
 __all__ = [
     "CONCURRENT_WRITE",
@@ -120,6 +116,19 @@ def _short_path(site: str) -> str:
 # ---------------------------------------------------------------------- the report
 
 
+class Detecting(Protocol):
+    """What a report needs of its audit's detector (``happens_before._Detector``): each
+    method returns a consistent copy, taken under the detector's lock."""
+
+    closed: bool
+
+    def races(self) -> list[Race]:
+        """The findings so far, frozen, in the order they were first found."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The data of :meth:`AuditReport.to_dict`."""
+
+
 class AuditReport:
     """What an :func:`audit` found: live while the block runs, frozen after it.
 
@@ -130,7 +139,7 @@ class AuditReport:
     ``tf.function`` calls (see :mod:`safevars.audit`).
     """
 
-    def __init__(self, detector: _Detector) -> None:
+    def __init__(self, detector: Detecting) -> None:
         self._detector = detector
 
     @property
@@ -146,8 +155,7 @@ class AuditReport:
 
         Modes: eager and replayed ``tf.function`` accesses alike.
         """
-        with _DETECT_LOCK:
-            return [f.frozen() for f in self._detector.findings.values()]
+        return self._detector.races()
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-serialisable).
@@ -161,24 +169,7 @@ class AuditReport:
 
         Modes: as :attr:`races`.
         """
-        with _DETECT_LOCK:
-            d = self._detector
-            return {
-                "active": not d.closed,
-                "predictive": d.predictive,
-                "races": [dataclasses.asdict(f.frozen()) for f in d.findings.values()],
-                "accesses": {
-                    "eager_or_replayed_reads": d.reads,
-                    "eager_or_replayed_writes": d.writes,
-                    "traced": d.traced,
-                },
-                "threads": sorted(d.threads),
-                "variables": sorted(v.name for v in d.vars.values()),
-                "functions": {
-                    "calls": dict(d.calls),
-                    "not_analysed": dict(d.unanalysed),
-                },
-            }
+        return self._detector.to_dict()
 
     def __str__(self) -> str:
         data = self.to_dict()
