@@ -1,4 +1,27 @@
-"""safevars: TensorFlow variables that are safe to share between threads, graphs and replicas."""
+"""safevars: TensorFlow variables that are safe to share between threads, graphs and replicas.
+
+Layers, bottom to top. A module imports only modules of its own package (without a
+cycle) or of a lower layer; the units of one layer do not import each other; where a
+lower layer must call back up, it offers a registered hook, named as such.
+``tests/test_layers.py`` reads this list and checks every import against it (module
+level, inside functions and under ``TYPE_CHECKING``):
+
+1. ``errors``: the error classes.
+2. ``_tf_internal``: the one door to private TensorFlow and Keras APIs.
+3. ``_validation``, ``_autograph``, ``distribute``, ``local_cluster``: argument checks,
+   AutoGraph registration, what safevars knows of ``tf.distribute``, local clusters.
+4. ``staleness``: the staleness policy shared by the accumulator and the optimizer.
+5. ``locking``: eager locks, guards, versions, the savers' locks.
+6. ``sections``: graph critical sections (mutex ops), gates, lock coarsening, step
+   spans, XLA-compiled calls.
+7. ``variable``: ``SafeVariable``, ``wrap`` and SafeVariable's snapshots.
+8. ``snapshot``, ``transaction``, ``creator_scope``, ``exactly_once``: the public entry
+   points on variables.
+9. ``rng``, ``accumulator``, ``audit``: features.
+10. ``data``, ``optimizer``: features built on those (``data`` uses ``rng``,
+    ``optimizer`` uses ``accumulator``).
+11. ``__init__`` (this module): re-exports only.
+"""
 
 from safevars import exactly_once
 from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
