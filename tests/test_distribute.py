@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from cluster_harness import run_on_ports, run_together, script
-from threading_harness import run_threads
 
 import safevars
+from tests.distributed.cluster_harness import run_on_ports, run_together, script
+from tests.support.threading_harness import run_threads
 
 SUBPROCESS_TIMEOUT = 300  # Seconds for one cluster (all its processes) to finish.
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import tensorflow as tf
-from cluster_harness import run_together, script
 
 import safevars
 from safevars import exactly_once, locking, sections
+from tests.distributed.cluster_harness import run_together, script
 
 SEED, STEPS, RUNS, CANCEL_STEPS = 5, 100, 2, 40
 TIMEOUT = 240.0  # Seconds for the cluster run; a bound on a hang, not a timing check.

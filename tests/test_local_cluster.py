@@ -7,7 +7,7 @@ Seen in a full test run: two clusters started at once in two processes, one serv
 
 from __future__ import annotations
 
-from cluster_harness import run_together, script
+from tests.distributed.cluster_harness import run_together, script
 
 CLUSTER_TIMEOUT = 60.0
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import tensorflow as tf
-from threading_harness import run_threads
 
 import safevars
 from safevars import SafeVariable
+from tests.support.threading_harness import run_threads
 
 
 class Abort(Exception):

@@ -8,10 +8,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from threading_harness import JOIN_TIMEOUT, run_threads
 
 import safevars
 from safevars import SafeVariable
+from tests.support.threading_harness import JOIN_TIMEOUT, run_threads
 
 
 def test_snapshot_is_immutable_and_unaffected_by_later_writes():

@@ -21,8 +21,9 @@ import tomllib
 import types
 
 import pytest
-import threading_harness
-from threading_harness import call_bounded, join_all, run_threads
+
+from tests.support import threading_harness
+from tests.support.threading_harness import call_bounded, join_all, run_threads
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 THIS_FILE = pathlib.Path(__file__).resolve().relative_to(REPO)

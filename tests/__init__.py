@@ -1,0 +1,1 @@
+"""safevars' tests, laid out like the code (CONTRIBUTING.md, "How the tests are laid out")."""

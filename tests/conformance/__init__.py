@@ -1,0 +1,1 @@
+"""TensorFlow's and Keras' own contracts run through safevars."""

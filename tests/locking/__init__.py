@@ -1,0 +1,1 @@
+"""Tests of ``safevars/locking/``: locks, lock order, faults, versions, checkpoints."""

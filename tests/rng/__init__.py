@@ -1,0 +1,1 @@
+"""Tests of ``safevars/rng/``: ReplicaRNG and ReplicaStream."""

@@ -1,0 +1,1 @@
+"""Tests of ``safevars/creator_scope.py``: safevars.scope()."""

@@ -1,0 +1,1 @@
+"""Tests of ``safevars/sections/``: graph sections, coarsening, step spans, XLA."""

@@ -1,0 +1,1 @@
+"""Tests of ``safevars/variable/``: SafeVariable, its writes and their errors."""
