@@ -8,7 +8,7 @@ is a ``ValueError`` from ``assign`` but a ``tf.errors.InvalidArgumentError`` fro
 or a ``ValueError`` (an ``int64`` tensor into ``float32``). So :class:`ShapeMismatchError`
 is both a ``ValueError`` and a ``tf.errors.InvalidArgumentError``, and
 :class:`DTypeMismatchError` both a ``TypeError`` and a ``ValueError``
-(``tests/test_errors.py`` checks each mistake against plain TensorFlow).
+(``tests/variable/test_errors.py`` checks each mistake against plain TensorFlow).
 
 Classes that also derive from a ``tf.errors`` class keep ``Exception``'s own
 ``__init__`` (one message argument), not ``tf.errors.OpError``'s ``(node_def, op,

@@ -1,6 +1,6 @@
 """safevars.exactly_once: steps retried after worker failures take effect once, for real.
 
-``distributed/exactly_once_ps.py`` runs a ParameterServerStrategy cluster (3 workers, 1
+``distributed/scripts/exactly_once_ps.py`` runs a ParameterServerStrategy cluster (3 workers, 1
 parameter server, on 127.0.0.1) in a subprocess; workers 1 and 2 are processes of their
 own that it kills (SIGKILL) and restarts mid-run, with a step in flight after its writes
 reached the parameter server (certain duplicates) and at random moments. Nothing is

@@ -5,7 +5,7 @@
   true and warns loudly otherwise (``tests/conftest.py``). Checked end to end by running
   pytest in a subprocess with ``-p no:timeout`` against this repository's own
   ``pyproject.toml`` and ``conftest.py``.
-* The thread helpers (``tests/threading_harness.py``) join every thread against one
+* The thread helpers (``tests/support/threading_harness.py``) join every thread against one
   deadline, so n deadlocked threads fail after one timeout, not n.
 """
 

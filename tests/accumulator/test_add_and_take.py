@@ -22,7 +22,7 @@ from safevars.errors import (
     AccumulatorTimeoutError,
     InvalidArgumentError,
 )
-from tests.accumulator.test_accumulator import hard_contributions, layout, state  # noqa: F401 - fixture by name
+from tests.support.accumulator import hard_contributions, state
 from tests.support.graph_walk import ancestors
 from tests.support.threading_harness import run_threads
 

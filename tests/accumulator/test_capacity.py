@@ -16,7 +16,7 @@ import tensorflow as tf
 import safevars
 from safevars.accumulator import GradientAccumulator
 from safevars.errors import AccumulatorFullError, InvalidArgumentError
-from tests.accumulator.test_accumulator import layout, state  # noqa: F401 - the fixture is used by name
+from tests.support.accumulator import state
 from tests.support.threading_harness import run_threads
 
 SHAPE = [10, 3]

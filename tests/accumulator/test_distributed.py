@@ -1,12 +1,12 @@
 """GradientAccumulator under ParameterServerStrategy and MultiWorkerMirroredStrategy, for real.
 
 Each cluster runs in its own subprocesses on 127.0.0.1 (in-process servers cannot be
-shut down), both clusters at once: ``distributed/accumulator_ps.py`` (3 workers and 2
+shut down), both clusters at once: ``distributed/scripts/accumulator_ps.py`` (3 workers and 2
 parameter servers in one process, driven by ``ClusterCoordinator``) and
-``distributed/accumulator_mwms.py`` (one process per worker, ``TF_CONFIG``). The
+``distributed/scripts/accumulator_mwms.py`` (one process per worker, ``TF_CONFIG``). The
 subprocesses print arrays as the hex of their bytes; this process recomputes the
 expected results with a local, non-distributed accumulator and compares bitwise.
-MirroredStrategy is covered in test_accumulator.py.
+MirroredStrategy is covered in test_mirrored.py.
 """
 
 from __future__ import annotations

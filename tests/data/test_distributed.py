@@ -1,8 +1,8 @@
 """ShardedInput under MultiWorkerMirroredStrategy and ParameterServerStrategy, for real.
 
 Both clusters run at once, in subprocesses on 127.0.0.1 (in-process servers cannot be shut
-down): ``distributed/data_mwms.py`` (2 worker processes x 2 replicas) and
-``distributed/data_ps.py`` (3 workers and 1 parameter server; worker 1 is a process of its
+down): ``distributed/scripts/data_mwms.py`` (2 worker processes x 2 replicas) and
+``distributed/scripts/data_ps.py`` (3 workers and 1 parameter server; worker 1 is a process of its
 own, killed with a step in flight and restarted). Every element id a replica or worker
 received is compared with the assignment this process computes from the seed, and the
 checkpoints the clusters wrote are restored here, in another process, to continue.
@@ -21,7 +21,7 @@ from tests.distributed.cluster_harness import run_on_ports, script
 
 SEED, OTHER_SEED = 2024, 7
 MWMS_WORKERS, LOCAL_REPLICAS = 2, 2
-SPREAD = dict(size=23, batch=2)  # tests/distributed/data_mwms.py's cases
+SPREAD = dict(size=23, batch=2)  # tests/distributed/scripts/data_mwms.py's cases
 SHORT = dict(size=21, batch=5)
 PS_WORKERS, PS_SIZE, PS_BATCH = 3, 50, 2
 TIMEOUT = 150.0  # Seconds for both clusters together; a bound on a hang, not a timing check.

@@ -1,7 +1,7 @@
 """safevars.data.ShardedInput in one process: the assignment, the pipelines, the position.
 
 The clusters (MultiWorkerMirrored 2x2, ParameterServer with a failing worker) are in
-``test_data_distributed.py``; here: the layout for many sizes, determinism, checkpoints,
+``test_distributed.py``; here: the layout for many sizes, determinism, checkpoints,
 commits, MirroredStrategy on two logical CPUs, and the argument errors.
 """
 

@@ -1,4 +1,4 @@
-"""The subprocess harness of the distributed tests (``tests/cluster_harness.py``)."""
+"""The subprocess harness of the distributed tests (``tests/distributed/cluster_harness.py``)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ are exact. No test asserts a timing.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import threading
@@ -17,6 +18,8 @@ import tensorflow as tf
 import safevars
 from safevars import SafeVariable
 from tests.support.threading_harness import run_threads
+
+THIS_FILE = os.path.basename(__file__)  # where the locks taken here say they were taken
 
 THREADS, ITERATIONS = 8, 1000
 
@@ -359,13 +362,13 @@ def test_a_timeout_names_the_holder_and_changes_nothing(call, runtime):
         assert isinstance(caught.value, TimeoutError)
         assert isinstance(caught.value, safevars.SafeVarsError)
         message = str(caught.value)
-        assert "'stuck-holder'" in message and "test_locking.py:" in message
+        assert "'stuck-holder'" in message and f"{THIS_FILE}:" in message
         assert v.name.split(":")[0] in message
         if before is not None:
             assert _state(v) == before
         held = safevars.held_locks()
         assert [(h.thread_name, h.depth) for h in held] == [("stuck-holder", 1)]
-        assert held[0].where.endswith(f"test_locking.py:{_HOLD_LINE}")
+        assert held[0].where.endswith(f"{THIS_FILE}:{_HOLD_LINE}")
         assert held[0].variables == (v.name,)
     finally:
         holder.stop()
@@ -447,8 +450,8 @@ def test_where_is_the_callers_line_however_deep_in_safevars_the_lock_is_taken():
     transaction_line = sys._getframe().f_lineno + 1
     safevars.transaction([v], lambda: seen.append(v.statistics().where))
     assert [where.rsplit("/", 1)[-1] for where in seen] == [
-        f"test_locking.py:{update_line}",
-        f"test_locking.py:{transaction_line}",
+        f"{THIS_FILE}:{update_line}",
+        f"{THIS_FILE}:{transaction_line}",
     ]
 
 

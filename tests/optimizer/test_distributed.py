@@ -1,10 +1,11 @@
 """SafeOptimizer under MultiWorkerMirroredStrategy and ParameterServerStrategy, for real.
 
 Each cluster runs in its own subprocess on 127.0.0.1 (in-process servers cannot be shut
-down): ``distributed/optimizer_ps.py`` (3 workers, 1 PS, driven by ``ClusterCoordinator``)
-and ``distributed/optimizer_mwms.py`` (one process per worker, ``TF_CONFIG``). Each prints
-one JSON line that the tests below check. MirroredStrategy is covered in-process by
-``test_optimizer.py``; the refusals are checked in-process here.
+down): ``distributed/scripts/optimizer_ps.py`` (3 workers, 1 PS, driven by
+``ClusterCoordinator``) and ``distributed/scripts/optimizer_mwms.py`` (one process per
+worker, ``TF_CONFIG``). Each prints one JSON line that the tests below check.
+MirroredStrategy is covered in-process by ``test_mirrored.py``; the refusals are checked
+in-process here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ CLUSTER_TIMEOUT = 120.0  # Seconds for one cluster (all its processes) to finish
 
 @pytest.fixture(scope="module")
 def ps() -> dict:
-    """One run of a 3-worker, 1-PS in-process cluster (see distributed/optimizer_ps.py)."""
+    """One run of a 3-worker, 1-PS in-process cluster (see distributed/scripts/optimizer_ps.py)."""
     path = script("optimizer_ps.py")
     (result,) = run_together(
         [

@@ -1,8 +1,8 @@
 """ReplicaRNG under ParameterServerStrategy and MultiWorkerMirroredStrategy, for real.
 
 Each cluster runs in its own subprocesses on 127.0.0.1 (in-process servers cannot be
-shut down): ``distributed/rng_ps.py`` (3 workers and 1 or 2 PS in one process, driven by
-``ClusterCoordinator``) and ``distributed/rng_mwms.py`` (one process per worker,
+shut down): ``distributed/scripts/rng_ps.py`` (3 workers and 1 or 2 PS in one process, driven by
+``ClusterCoordinator``) and ``distributed/scripts/rng_mwms.py`` (one process per worker,
 ``TF_CONFIG``). Each kind of cluster runs twice with the same seed. The subprocesses
 print arrays as the hex of their bytes; this process recomputes every stream from its
 documented key with an eager ``ReplicaRNG`` and compares bitwise.

@@ -1,9 +1,9 @@
 """safevars.scope() under MultiWorkerMirroredStrategy and ParameterServerStrategy, for real.
 
-``distributed/scope_mwms.py`` builds a Keras model and a plain Keras optimizer inside
+``distributed/scripts/scope_mwms.py`` builds a Keras model and a plain Keras optimizer inside
 ``strategy.scope()`` and ``safevars.scope()`` on each of two workers on 127.0.0.1 (a
 process per worker), trains with all-reduced gradients, then writes by hand.
-``distributed/scope_ps.py`` does the same on an in-process cluster of 3 workers and one
+``distributed/scripts/scope_ps.py`` does the same on an in-process cluster of 3 workers and one
 parameter server, with asynchronous workers. Each prints one JSON line. MirroredStrategy
 is covered in-process by ``test_scope.py``.
 """

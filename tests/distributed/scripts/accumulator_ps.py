@@ -31,7 +31,7 @@ SIZE = 6  # Elements per contribution (two variables: [2, 2] and [2]).
 def hard_contributions(count: int, seed: int) -> np.ndarray:
     """float32 rows spanning 12 decades, so float32 sums depend on the order.
 
-    tests/test_accumulator_distributed.py recomputes them from the same seed.
+    tests/accumulator/test_distributed.py recomputes them from the same seed.
     """
     rng = np.random.default_rng(seed)
     return np.stack(
@@ -50,8 +50,8 @@ def counted_contributions(count: int) -> np.ndarray:
 
 
 def main() -> None:
-    # Run as a script (tests/distributed on sys.path); the test module imports this file
-    # as distributed.accumulator_ps for the contributions above only.
+    # Run as a script (tests/distributed/scripts on sys.path); the test module imports this
+    # file as tests.distributed.scripts.accumulator_ps for the contributions above only.
     from script_common import error_of, hexes, parse, parser
 
     arguments = parser(seed=True)

@@ -3,7 +3,7 @@
 Usage: python optimizer_ps.py [--workers 3] [--steps 60] [--train-steps 90]
 Run it in its own process: in-process servers cannot be shut down.
 
-Parts (tests/test_optimizer_distributed.py checks the result):
+Parts (tests/optimizer/test_distributed.py checks the result):
 
 * ``exact``: asynchronous workers apply constant gradients with SGD(momentum) to a
   ``tf.Variable`` and a SafeVariable on the parameter server, half the steps inside

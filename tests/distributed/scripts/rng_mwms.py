@@ -33,7 +33,7 @@ def main() -> None:
     def step():
         def replica_fn():
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            # The same fixed sequence as tests/test_rng_distributed.py's reference.
+            # The same fixed sequence as tests/rng/test_distributed.py's reference.
             draws = [rng.normal([4]), rng.uniform_int([3], 0, 1_000_000), rng.make_seed()]
             return replica, draws, tf.constant(rng.seed_for("augment"), tf.int64)
 

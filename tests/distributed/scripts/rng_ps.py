@@ -24,7 +24,7 @@ from safevars.rng import ReplicaRNG  # noqa: E402
 
 
 def step_draws(rng: ReplicaRNG) -> list[tf.Tensor]:
-    """The fixed sequence of draws of one step (tests/test_rng_distributed.py mirrors it)."""
+    """The fixed sequence of draws of one step (tests/rng/test_distributed.py mirrors it)."""
     return [rng.normal([4]), rng.uniform_int([3], 0, 1_000_000), rng.make_seed()]
 
 

@@ -1,6 +1,6 @@
 """What the cluster scripts share: their command-line header, hang dumps, results as text.
 
-Every script prints one JSON line that a test reads (``tests/cluster_harness.py``);
+Every script prints one JSON line that a test reads (``tests/distributed/cluster_harness.py``);
 arrays go into it as the hex of their bytes, so a test compares them bitwise, and a
 safevars error as ``"ClassName: message"``. Nothing here imports TensorFlow at import
 time: the ``*_mwms.py`` scripts must set ``TF_CONFIG`` before TensorFlow is imported.
