@@ -292,6 +292,60 @@ def test_a_new_thread_is_never_mistaken_for_a_dead_holder():
     assert v.statistics().takeovers == 1
 
 
+def test_a_section_opened_by_a_takeover_is_never_read_half_written():
+    """Optimistic snapshots racing the section of a thread that took a lock back.
+
+    A thread enters ``safevars.locked(a, b)`` by hand and ends inside it. The writer then
+    takes both locks back (a takeover) and, in that section and the ones after it, moves
+    1 from ``a`` to ``b`` in two writes with a pause between them, while two readers take
+    eager (optimistic) snapshots. The taken-back section must mark the locks' sequence
+    numbers odd like any other section, so that no reader trusts a read made inside it:
+    every snapshot has ``a + b == 100`` and equal versions.
+    """
+    a, b = SafeVariable(100.0), SafeVariable(0.0)
+    kept = []
+    _in_thread(lambda: kept.append(safevars.locked(a, b)) or kept[0].__enter__())
+    assert [h.thread_alive for h in safevars.held_locks()] == [False, False]
+    inside = threading.Event()  # The writer is in the section it took back.
+    done = threading.Event()
+    torn: list[tuple[float, float, int, int]] = []
+    snapshots = [0, 0]
+
+    def move() -> None:
+        a.assign_sub(1.0, read_value=False)
+        time.sleep(0.0005)  # Half written: what no snapshot may see.
+        b.assign_add(1.0, read_value=False)
+
+    def role(i: int) -> None:
+        if i == 0:
+            try:
+                with safevars.locked(a, b):  # Waits one poll interval, then takes over.
+                    inside.set()
+                    for _ in range(40):
+                        move()
+                for _ in range(60):
+                    with safevars.locked(a, b):
+                        move()
+            finally:
+                inside.set()
+                done.set()
+            return
+        assert inside.wait(30)
+        while True:
+            finished = done.is_set()
+            x, y = safevars.snapshot([a, b])
+            snapshots[i - 1] += 1
+            if float(x.value) + float(y.value) != 100.0 or x.version != y.version:
+                torn.append((float(x.value), float(y.value), x.version, y.version))
+            if finished:
+                break
+
+    run_threads(3, role)
+    assert torn == [], f"{len(torn)} of {sum(snapshots)} snapshots torn, e.g. {torn[:3]}"
+    assert a.statistics().takeovers == 1 and b.statistics().takeovers == 1
+    assert (float(a.numpy()), float(b.numpy()), a.version, b.version) == (0.0, 100.0, 100, 100)
+
+
 def test_closing_a_kept_context_from_another_thread_releases_all_its_locks():
     x, y = SafeVariable(1.0), SafeVariable(2.0)
     kept = []
