@@ -3,7 +3,8 @@
 Writers move 1 from ``a`` to ``b`` in transactions (``a + b == 1000`` always; each
 transaction adds 1 to both versions, so ``a + version(a) == 1000`` and
 ``b == version(b)``). Checkpoints written during that must keep every invariant, and a
-restore during it must never expose a mixed state.
+restore during it must never expose a mixed state; also when the transactions leave out
+the first variable the checkpoint saves.
 """
 
 from __future__ import annotations
@@ -91,6 +92,78 @@ def test_a_restore_during_transactions_is_one_section(tmp_path):
     run_threads(3, role)
     assert not torn, torn[:5]
     _check_invariants(a, b)
+
+
+def _trio():
+    """``a``, saved first and written by no transaction, and a pair ``b``, ``c``."""
+    a = SafeVariable(7.0)
+    return (a, *_pair())
+
+
+def _check_untouched(a):
+    assert float(a.numpy()) == 7.0 and a.version == 0
+
+
+@pytest.mark.parametrize("runtime", [False, True], ids=["eager", "runtime"])
+def test_a_checkpoint_holds_every_lock_it_saves_not_only_the_first(tmp_path, runtime):
+    """Transactions over ``b`` and ``c`` leave out ``a``, the first variable the
+    checkpoint saves: a checkpoint that held only the first lock would read ``b`` and
+    ``c`` on either side of a transaction."""
+    a, b, c = _trio()
+    move = _move(b, c)
+    if runtime:
+        move = tf.function(move, autograph=False)
+    checkpoint = tf.train.Checkpoint(a=a, b=b, c=c)
+    stop = threading.Event()
+    paths: list[str] = []
+
+    def role(i):
+        if i == 0:
+            for k in range(15):
+                paths.append(checkpoint.write(str(tmp_path / f"ckpt-{k}")))
+            stop.set()
+        else:
+            while not stop.is_set():
+                move()
+
+    run_threads(3, role)
+    assert b.version > 0
+    for path in paths:
+        a2, b2, c2 = _trio()
+        tf.train.Checkpoint(a=a2, b=b2, c=c2).read(path).assert_consumed()
+        _check_untouched(a2)
+        _check_invariants(b2, c2)
+
+
+def test_a_restore_holds_every_lock_it_restores_not_only_the_first(tmp_path):
+    """A restore of ``a``, ``b``, ``c`` while transactions move between ``b`` and ``c``
+    (never ``a``, the first restored) is one section over all three."""
+    a, b, c = _trio()
+    for _ in range(100):
+        _move(b, c)()
+    path = tf.train.Checkpoint(a=a, b=b, c=c).write(str(tmp_path / "ckpt"))
+    stop = threading.Event()
+    torn: list[float] = []
+
+    def role(i):
+        if i == 0:
+            for _ in range(20):
+                tf.train.Checkpoint(a=a, b=b, c=c).read(path).assert_consumed()
+            stop.set()
+        elif i == 1:
+            while not stop.is_set():
+                _move(b, c)()
+        else:
+            while not stop.is_set():
+                x, y = safevars.snapshot([b, c])
+                total = float(x.value) + float(y.value)
+                if total != 1000.0 or float(x.value) + x.version != 1000.0:
+                    torn.append(total)
+
+    run_threads(3, role)
+    assert not torn, torn[:5]
+    _check_untouched(a)
+    _check_invariants(b, c)
 
 
 def test_keras_save_weights_during_training_is_a_state_that_existed(tmp_path):
