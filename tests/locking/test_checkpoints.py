@@ -39,13 +39,35 @@ def _check_invariants(a, b):
     assert float(b.numpy()) == b.version
 
 
+# Which variables a checkpoint holds: the pair the transactions move between (saved
+# first), or also ``a``, saved first and written by no transaction (a checkpoint holding
+# the lock of only the first variable it saves would then hold no lock the
+# transactions take).
+SAVED = pytest.mark.parametrize("first_left_out", [False, True], ids=["pair", "first_left_out"])
+
+
+def _saved(first_left_out):
+    """The pair, and every variable a checkpoint saves, by name (saved in name order)."""
+    x, y = _pair()
+    if not first_left_out:
+        return (x, y), {"a": x, "b": y}
+    return (x, y), {"a": SafeVariable(7.0), "b": x, "c": y}
+
+
+def _check_saved(pair, saved):
+    _check_invariants(*pair)
+    if "c" in saved:  # The variable no transaction writes.
+        assert float(saved["a"].numpy()) == 7.0 and saved["a"].version == 0
+
+
+@SAVED
 @pytest.mark.parametrize("runtime", [False, True], ids=["eager", "runtime"])
-def test_checkpoints_written_during_transactions_are_whole(tmp_path, runtime):
-    a, b = _pair()
-    move = _move(a, b)
+def test_checkpoints_written_during_transactions_are_whole(tmp_path, runtime, first_left_out):
+    pair, saved = _saved(first_left_out)
+    move = _move(*pair)
     if runtime:  # The writers' sections run inside a tf.function.
         move = tf.function(move, autograph=False)
-    checkpoint = tf.train.Checkpoint(a=a, b=b)
+    checkpoint = tf.train.Checkpoint(**saved)
     stop = threading.Event()
     paths: list[str] = []
 
@@ -59,111 +81,40 @@ def test_checkpoints_written_during_transactions_are_whole(tmp_path, runtime):
                 move()
 
     run_threads(3, role)
-    assert a.version > 0
+    assert pair[0].version > 0
     for path in paths:
-        a2, b2 = _pair()
-        tf.train.Checkpoint(a=a2, b=b2).read(path).assert_consumed()
-        _check_invariants(a2, b2)
+        pair2, saved2 = _saved(first_left_out)
+        tf.train.Checkpoint(**saved2).read(path).assert_consumed()
+        _check_saved(pair2, saved2)
 
 
-def test_a_restore_during_transactions_is_one_section(tmp_path):
-    a, b = _pair()
+@SAVED
+def test_a_restore_during_transactions_is_one_section(tmp_path, first_left_out):
+    pair, saved = _saved(first_left_out)
     for _ in range(100):
-        _move(a, b)()
-    path = tf.train.Checkpoint(a=a, b=b).write(str(tmp_path / "ckpt"))
+        _move(*pair)()
+    path = tf.train.Checkpoint(**saved).write(str(tmp_path / "ckpt"))
     stop = threading.Event()
     torn: list[float] = []
 
     def role(i):
         if i == 0:
             for _ in range(20):
-                tf.train.Checkpoint(a=a, b=b).read(path).assert_consumed()
+                tf.train.Checkpoint(**saved).read(path).assert_consumed()
             stop.set()
         elif i == 1:
             while not stop.is_set():
-                _move(a, b)()
+                _move(*pair)()
         else:
             while not stop.is_set():
-                x, y = safevars.snapshot([a, b])
+                x, y = safevars.snapshot(list(pair))
                 total = float(x.value) + float(y.value)
                 if total != 1000.0 or float(x.value) + x.version != 1000.0:
                     torn.append(total)
 
     run_threads(3, role)
     assert not torn, torn[:5]
-    _check_invariants(a, b)
-
-
-def _trio():
-    """``a``, saved first and written by no transaction, and a pair ``b``, ``c``."""
-    a = SafeVariable(7.0)
-    return (a, *_pair())
-
-
-def _check_untouched(a):
-    assert float(a.numpy()) == 7.0 and a.version == 0
-
-
-@pytest.mark.parametrize("runtime", [False, True], ids=["eager", "runtime"])
-def test_a_checkpoint_holds_every_lock_it_saves_not_only_the_first(tmp_path, runtime):
-    """Transactions over ``b`` and ``c`` leave out ``a``, the first variable the
-    checkpoint saves: a checkpoint that held only the first lock would read ``b`` and
-    ``c`` on either side of a transaction."""
-    a, b, c = _trio()
-    move = _move(b, c)
-    if runtime:
-        move = tf.function(move, autograph=False)
-    checkpoint = tf.train.Checkpoint(a=a, b=b, c=c)
-    stop = threading.Event()
-    paths: list[str] = []
-
-    def role(i):
-        if i == 0:
-            for k in range(15):
-                paths.append(checkpoint.write(str(tmp_path / f"ckpt-{k}")))
-            stop.set()
-        else:
-            while not stop.is_set():
-                move()
-
-    run_threads(3, role)
-    assert b.version > 0
-    for path in paths:
-        a2, b2, c2 = _trio()
-        tf.train.Checkpoint(a=a2, b=b2, c=c2).read(path).assert_consumed()
-        _check_untouched(a2)
-        _check_invariants(b2, c2)
-
-
-def test_a_restore_holds_every_lock_it_restores_not_only_the_first(tmp_path):
-    """A restore of ``a``, ``b``, ``c`` while transactions move between ``b`` and ``c``
-    (never ``a``, the first restored) is one section over all three."""
-    a, b, c = _trio()
-    for _ in range(100):
-        _move(b, c)()
-    path = tf.train.Checkpoint(a=a, b=b, c=c).write(str(tmp_path / "ckpt"))
-    stop = threading.Event()
-    torn: list[float] = []
-
-    def role(i):
-        if i == 0:
-            for _ in range(20):
-                tf.train.Checkpoint(a=a, b=b, c=c).read(path).assert_consumed()
-            stop.set()
-        elif i == 1:
-            while not stop.is_set():
-                _move(b, c)()
-        else:
-            while not stop.is_set():
-                x, y = safevars.snapshot([b, c])
-                total = float(x.value) + float(y.value)
-                if total != 1000.0 or float(x.value) + x.version != 1000.0:
-                    torn.append(total)
-
-    run_threads(3, role)
-    assert not torn, torn[:5]
-    _check_untouched(a)
-    _check_invariants(b, c)
+    _check_saved(pair, saved)
 
 
 def test_keras_save_weights_during_training_is_a_state_that_existed(tmp_path):
