@@ -32,7 +32,6 @@ other safevars modules reach as ``safevars.sections.<name>``.
 
 from safevars.sections import compiled_calls as _compiled_calls  # noqa: F401  (installs it)
 from safevars.sections.section import defer_count, graph_section
-from safevars.sections.section import lock_section as lock_section
 from safevars.sections.tracing import (
     body_wrappers,
     graph_body_wrappers,
