@@ -1,0 +1,131 @@
+"""The command line (:mod:`benchmarks.cli`): exit statuses and the files written, with fake
+families and devices.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from benchmark_fakes import CPU, FakeGPU, fake_details
+
+from benchmarks import cli, devices, runner, schema
+
+
+def test_cli_unknown_cases_is_a_usage_error(fake_package, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cases", "nope"], families=fake_package)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown case family 'nope'" in err and "alpha" in err
+
+
+def test_cli_gpu_requested_without_gpu_exits_2(fake_package, tmp_path):
+    err = io.StringIO()
+    code = cli.main(
+        ["--device", "gpu", "--out", str(tmp_path / "out")],
+        stdout=io.StringIO(),
+        stderr=err,
+        gpus=[],
+        families=fake_package,
+    )
+    assert code == 2
+    assert "--device cpu" in err.getvalue()
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_with_failures_writes_everything_and_exits_1(fake_package, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli.main(
+        [
+            "--quick",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--cases",
+            "alpha,broken,raising",
+        ],
+        families=fake_package,
+        select_device=lambda *a, **k: CPU,
+    )
+    assert code == 1
+    captured = capsys.readouterr()
+    document = json.loads((out / "results.json").read_text())
+    assert schema.validate(document) == []
+    assert document["status"] == "failed"
+    assert [f["name"] for f in document["families"]] == ["raising", "alpha", "broken"]
+    assert document["goals"][0]["variant"] == "safe"
+    markdown = (out / "results.md").read_text()
+    assert "FAILED" in markdown and "ModuleNotFoundError" in markdown
+    assert "alpha" in captured.out and "x baseline" in captured.out
+    assert "FAILED families: raising, broken" in captured.err
+
+
+def test_cli_repeat_reports_pooled_intervals_and_verdicts(fake_package, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli.main(
+        [
+            "--quick",
+            "--rounds",
+            "3",
+            "--repeat",
+            "2",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--cases",
+            "alpha,counted",
+        ],
+        families=fake_package,
+        select_device=lambda *a, **k: CPU,
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    document = json.loads((out / "results.json").read_text())
+    assert schema.validate(document) == []
+    assert document["settings"]["repeat"] == 2
+    assert document["settings"]["confidence_interval"]["level"] == 0.95
+    for family in document["families"]:
+        for case in family["cases"]:
+            assert case["repetitions"] == 2
+            for variant in case["variants"]:
+                assert variant["rounds_per_repetition"] == [3, 3]
+                assert len(variant["ratio_to_baseline_ci_95"]) == 2
+    verdicts = {g["case"]: g["verdict"] for g in document["goals"]}
+    assert set(verdicts) == {"add", "pair"}
+    assert all(v in runner.VERDICTS for v in verdicts.values())
+    assert all(len(g["ratio_per_repetition"]) == 2 for g in document["goals"])
+    markdown = (out / "results.md").read_text()
+    for text in (markdown, captured.out):
+        assert "2 repetitions x 3 rounds, pooled" in text
+        assert text.count("(passes ") >= len(document["goals"])
+        assert "x baseline [95% CI]" in text
+        assert "paired bootstrap" in text and "inconclusive otherwise" in text
+        for goal in document["goals"]:
+            assert goal["verdict"] in text.lower()
+    assert "goals: " in markdown and "2 passes" in captured.err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--repeat", "0"], families=fake_package)
+    assert info.value.code == 2
+
+
+def test_cli_gpu_path_with_fake_gpu(fake_package, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli.main(
+        ["--quick", "--rounds", "1", "--out", str(out), "--no-plots", "--cases", "alpha"],
+        families=fake_package,
+        gpus=[FakeGPU()],
+        select_device=lambda requested, gpus: devices.select_device(
+            requested, gpus=gpus, details=fake_details
+        ),
+    )
+    assert code == 0
+    document = json.loads((out / "results.json").read_text())
+    assert schema.validate(document) == []
+    assert document["metadata"]["device"]["kind"] == "gpu"
+    assert document["metadata"]["device"]["name"] == "NVIDIA A100-SXM4-40GB"
+    assert 16_000_000 in document["settings"]["sizes"]
+    assert "GPU NVIDIA A100" in capsys.readouterr().out

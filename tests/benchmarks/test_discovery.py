@@ -1,0 +1,47 @@
+"""Discovering and selecting the case families (:mod:`benchmarks.discovery`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmarks import discovery
+
+
+def test_discovery_reads_families_without_importing_them(fake_package):
+    by_name = {f.name: f for f in fake_package}
+    assert [f.name for f in fake_package] == [  # ORDER first, then by file name.
+        "raising",
+        "alpha",
+        "broken",
+        "counted",
+        "nameless",
+        "optional",
+    ]
+    assert by_name["broken"].problem is None  # Found statically; fails only on import.
+    assert by_name["optional"].default is False
+    assert "defines no FAMILY" in by_name["nameless"].problem
+    assert "fakebench_pkg.bench_broken" not in sys.modules
+
+
+def test_select_default_excludes_optional_families(fake_package):
+    default = [f.name for f in discovery.select(fake_package, None)]
+    assert "optional" not in default and "alpha" in default
+    assert [f.name for f in discovery.select(fake_package, "optional")] == ["optional"]
+    assert len(discovery.select(fake_package, "all")) == len(fake_package)
+
+
+def test_select_unknown_family_lists_the_known_ones(fake_package):
+    with pytest.raises(discovery.UnknownFamilyError) as info:
+        discovery.select(fake_package, "alpha,nope")
+    message = str(info.value)
+    assert "'nope'" in message
+    for name in ("alpha", "broken", "raising", "optional (optional)"):
+        assert name in message
+
+
+def test_real_families_are_discovered():
+    names = {f.name for f in discovery.discover()}
+    assert {"eager", "graph", "contention", "snapshot"} <= names
+    assert all(f.problem is None for f in discovery.discover()), discovery.discover()
