@@ -287,6 +287,7 @@ def _new_record(info: FamilyInfo) -> dict[str, Any]:
         "description": info.description,
         "module": info.module,
         "default": info.default,
+        "plot_against": info.plot_against,
         "status": "ok",
         "error": None,
         "traceback": None,

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks import devices
-from benchmarks.timing import TimingSettings
+from benchmarks import devices, runner
+from benchmarks.case import Case
+from benchmarks.timing import TimingSettings, VariantTiming
 
 
 class FakeClock:
@@ -125,3 +126,45 @@ def thread_family(workloads: dict[str, tuple[int, ...]]) -> dict[str, Any]:
                 }
             )
     return {"name": "fam", "cases": cases}
+
+
+def family_result(name: str, cases: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """A ``family`` object of ``results.json`` built by the runner from synthetic rounds.
+
+    Each entry of ``cases``: ``name``; ``variants``, variant name -> per-round seconds,
+    the first the baseline (or -> ``(seconds, extra_rounds)``); and optionally ``goal``,
+    ``goal_reference`` and ``params`` as for :class:`benchmarks.case.Case`. ``fields``
+    adds keys to the family (``plot_against``).
+    """
+    results = []
+    for spec in cases:
+        timings = []
+        for variant, samples in spec["variants"].items():
+            samples, extra = samples if isinstance(samples, tuple) else (samples, [])
+            timings.append(VariantTiming(variant, 1, list(samples), list(extra)))
+        case = Case(
+            name,
+            spec["name"],
+            dict.fromkeys(spec["variants"], int),
+            params=spec.get("params", {}),
+            goal=spec.get("goal"),
+            goal_reference=spec.get("goal_reference"),
+        )
+        results.append(runner.case_result(case, name, timings, 0.1))
+    return {
+        "name": name,
+        "description": "",
+        "module": f"benchmarks.bench_{name}",
+        "default": True,
+        "status": "ok",
+        "error": None,
+        "traceback": None,
+        "duration_s": 0.1,
+        "cases": results,
+        **fields,
+    }
+
+
+def rounds(ratio: float, count: int = 7, spread: float = 0.02) -> list[float]:
+    """``count`` per-round seconds around ``ratio`` (a baseline's are ``rounds(1.0)``)."""
+    return [ratio * (1 + spread * ((i % 3) - 1)) for i in range(count)]

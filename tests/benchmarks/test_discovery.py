@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import sys
+import textwrap
 
 import pytest
+from benchmark_fakes import CPU, FakeClock, tiny_settings
 
-from benchmarks import discovery
+from benchmarks import devices, discovery, metadata, runner, schema
 
 
 def test_discovery_reads_families_without_importing_them(fake_package):
@@ -45,3 +48,34 @@ def test_real_families_are_discovered():
     names = {f.name for f in discovery.discover()}
     assert {"eager", "graph", "contention", "snapshot"} <= names
     assert all(f.problem is None for f in discovery.discover()), discovery.discover()
+
+
+def test_plot_against_is_read_statically_and_recorded(tmp_path, monkeypatch):
+    package = tmp_path / "scalingbench_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "bench_scaling.py").write_text(
+        textwrap.dedent(
+            """
+            from benchmarks.case import Case
+            FAMILY = "scaling"
+            PLOT_AGAINST = "variables"
+            def cases(ctx):
+                return [Case("scaling", f"{n}", {"plain": int, "safe": int},
+                             params={"variables": n}) for n in (20, 200)]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (info,) = discovery.discover(package, "scalingbench_pkg")
+    assert info.plot_against == "variables"
+    assert "scalingbench_pkg.bench_scaling" not in sys.modules  # read, not imported
+    ctx = devices.make_context(CPU, True)
+    (family,) = runner.run_families(
+        [info], ctx, tiny_settings(), progress=io.StringIO(), clock=FakeClock([])
+    )
+    assert family["plot_against"] == "variables"
+    document = runner.build_document(metadata.collect(CPU, True), tiny_settings(), ctx, [family])
+    assert schema.validate(document) == []
+    del document["families"][0]["plot_against"]  # documents from before it stay valid
+    assert schema.validate(document) == []
