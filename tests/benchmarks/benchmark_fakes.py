@@ -98,6 +98,33 @@ FAKE_FAMILIES = {
 }
 
 
+#: Families whose goal's verdict does not depend on the machine: two trivial calls are
+#: within a factor of 1,000 of each other, so "at most 1000x" is met and "at least
+#: 1000x" missed, once there are rounds enough for an interval (3).
+GOAL_FAMILIES = {
+    "bench_meets.py": """
+        from benchmarks.case import Case
+        FAMILY = "meets"
+        def cases(ctx):
+            return [Case("meets", "pair", {"plain": lambda: 1, "safe": lambda: 2},
+                         goal=("safe", "<=", 1000.0))]
+    """,
+    "bench_misses.py": """
+        from benchmarks.case import Case
+        FAMILY = "misses"
+        def cases(ctx):
+            return [Case("misses", "pair", {"plain": lambda: 1, "safe": lambda: 2},
+                         goal=("safe", ">=", 1000.0))]
+    """,
+    "bench_goalless.py": """
+        from benchmarks.case import Case
+        FAMILY = "goalless"
+        def cases(ctx):
+            return [Case("goalless", "pair", {"plain": lambda: 1, "safe": lambda: 2})]
+    """,
+}
+
+
 def tiny_settings() -> TimingSettings:
     return TimingSettings(rounds=3, warmup_time=0.0, min_batch_time=0.003)
 

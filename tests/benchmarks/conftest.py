@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,20 +25,33 @@ from benchmarks import discovery  # noqa: E402
 
 
 @pytest.fixture
-def fake_package(
+def family_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[list[discovery.FamilyInfo]]:
-    """A package of fake families: one good, one that fails to import, one raising...
+) -> Iterator[Callable[[str, dict[str, str]], list[discovery.FamilyInfo]]]:
+    """Returns ``make(package, sources)``: writes a package of families (file name ->
+    source) and discovers it.
 
-    Each test imports its own copy: the modules are dropped afterwards, so module state
-    (``bench_counted``'s build counter) starts afresh whatever ran before.
+    Each test imports its own copy: the packages' modules are dropped afterwards, so
+    module state (``bench_counted``'s build counter) starts afresh whatever ran before.
     """
-    package = tmp_path / "fakebench_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name, source in FAKE_FAMILIES.items():
-        (package / name).write_text(textwrap.dedent(source))
+    made: list[str] = []
+
+    def make(name: str, sources: dict[str, str]) -> list[discovery.FamilyInfo]:
+        package = tmp_path / name
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        for file, source in sources.items():
+            (package / file).write_text(textwrap.dedent(source))
+        made.append(name)
+        return discovery.discover(package, name)
+
     monkeypatch.syspath_prepend(str(tmp_path))
-    yield discovery.discover(package, "fakebench_pkg")
-    for name in [m for m in sys.modules if m.split(".")[0] == "fakebench_pkg"]:
-        del sys.modules[name]
+    yield make
+    for module in [m for m in sys.modules if m.split(".")[0] in made]:
+        del sys.modules[module]
+
+
+@pytest.fixture
+def fake_package(family_package) -> list[discovery.FamilyInfo]:
+    """A package of fake families: one good, one that fails to import, one raising..."""
+    return family_package("fakebench_pkg", FAKE_FAMILIES)

@@ -8,7 +8,7 @@ import io
 import json
 
 import pytest
-from benchmark_fakes import CPU, FakeGPU, fake_details
+from benchmark_fakes import CPU, GOAL_FAMILIES, FakeGPU, fake_details
 
 from benchmarks import cli, devices, runner, schema
 
@@ -130,3 +130,66 @@ def test_cli_gpu_path_with_fake_gpu(fake_package, tmp_path, capsys):
     assert document["metadata"]["device"]["name"] == "NVIDIA A100-SXM4-40GB"
     assert 16_000_000 in document["settings"]["sizes"]
     assert "GPU NVIDIA A100" in capsys.readouterr().out
+
+
+def run_check(families, tmp_path, *options: str) -> tuple[int, str, dict]:
+    """``python -m benchmarks --quick ... options`` on fake families: (status, stderr,
+    results.json)."""
+    out = tmp_path / "out"
+    err = io.StringIO()
+    code = cli.main(
+        ["--quick", "--min-time", "0.002", "--warmup", "0", "--out", str(out), "--no-plots"]
+        + list(options),
+        stdout=io.StringIO(),
+        stderr=err,
+        families=families,
+        select_device=lambda *a, **k: CPU,
+    )
+    return code, err.getvalue(), json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture
+def goal_families(family_package):
+    return family_package("goalbench_pkg", GOAL_FAMILIES)
+
+
+def test_check_exits_1_on_a_missed_goal_and_only_with_check(goal_families, tmp_path):
+    code, err, document = run_check(goal_families, tmp_path, "--rounds", "5")
+    verdicts = {g["family"]: g["verdict"] for g in document["goals"]}
+    assert verdicts == {"meets": "met", "misses": "missed"}
+    assert code == 0 and "check:" not in err  # goals change nothing without --check
+    code, err, _ = run_check(goal_families, tmp_path, "--rounds", "5", "--check")
+    assert code == 1
+    assert "check: goal misses/pair MISSED: safe over plain >= 1000.00x" in err
+    assert "check: --check FAILED: 1 of 2 goal(s)" in err
+    assert "meets/pair" not in err
+    code, err, _ = run_check(
+        goal_families, tmp_path, "--rounds", "5", "--check", "--cases", "meets"
+    )
+    assert code == 0 and "check: --check passed: goals: 1 met" in err
+
+
+def test_inconclusive_goals_pass_check_and_fail_strict(goal_families, tmp_path):
+    # Two rounds give no interval: the verdict is inconclusive.
+    code, err, document = run_check(goal_families, tmp_path, "--rounds", "2", "--check")
+    assert {g["verdict"] for g in document["goals"]} == {"inconclusive"}
+    assert code == 0
+    assert "check: 2 goal(s) inconclusive or not measured, not counted (--strict" in err
+    code, err, _ = run_check(goal_families, tmp_path, "--rounds", "2", "--strict")
+    assert code == 1
+    assert "check: goal meets/pair INCONCLUSIVE" in err and "--strict FAILED: 2 of 2" in err
+
+
+def test_check_passes_a_run_without_goals(goal_families, tmp_path):
+    code, err, _ = run_check(goal_families, tmp_path, "--cases", "goalless", "--strict")
+    assert code == 0 and "the selected families have no goals" in err
+
+
+def test_help_says_what_check_counts(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--check exit 1 when a goal is missed" in text
+    assert "inconclusive and unmeasured goals are reported on stderr but pass" in text
+    assert "--strict --check, and an inconclusive or unmeasured goal fails it too" in text
+    assert "The stdout table fits 120 columns" in text
