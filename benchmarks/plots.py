@@ -89,11 +89,11 @@ def fit_to_text(fig: Any, attempts: int = 4) -> None:
 
     Constrained layout shrinks the axes to make room for tick labels, titles and legends,
     but cannot make room that the figure does not have: a label longer than the figure
-    is wide was cut. This draws the figure, measures by how much its drawn artists
+    is wide was cut. This lays the figure out, measures by how much its drawn artists
     overflow each side, grows it by that much, and lays it out again.
     """
     for _ in range(attempts):
-        fig.canvas.draw()
+        fig.draw_without_rendering()  # lays it out; no pixels (savefig renders once)
         tight = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
         width, height = fig.get_size_inches()
         grow_x = max(0.0, -tight.x0) + max(0.0, tight.x1 - width)

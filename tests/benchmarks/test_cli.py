@@ -163,10 +163,6 @@ def test_check_exits_1_on_a_missed_goal_and_only_with_check(goal_families, tmp_p
     assert "check: goal misses/pair MISSED: safe over plain >= 1000.00x" in err
     assert "check: --check FAILED: 1 of 2 goal(s)" in err
     assert "meets/pair" not in err
-    code, err, _ = run_check(
-        goal_families, tmp_path, "--rounds", "5", "--check", "--cases", "meets"
-    )
-    assert code == 0 and "check: --check passed: goals: 1 met" in err
 
 
 def test_inconclusive_goals_pass_check_and_fail_strict(goal_families, tmp_path):
@@ -180,9 +176,42 @@ def test_inconclusive_goals_pass_check_and_fail_strict(goal_families, tmp_path):
     assert "check: goal meets/pair INCONCLUSIVE" in err and "--strict FAILED: 2 of 2" in err
 
 
-def test_check_passes_a_run_without_goals(goal_families, tmp_path):
-    code, err, _ = run_check(goal_families, tmp_path, "--cases", "goalless", "--strict")
-    assert code == 0 and "the selected families have no goals" in err
+def goal(verdict: str) -> dict:
+    return {
+        "family": "f",
+        "case": verdict,
+        "variant": "safe",
+        "reference": "plain",
+        "operator": "<=",
+        "bound": 1.1,
+        "ratio": None if verdict == "not measured" else 1.0,
+        "ratio_ci_95": None,
+        "verdict": verdict,
+    }
+
+
+@pytest.mark.parametrize(
+    "verdicts, strict, fails, last",
+    [
+        ([], True, False, "check: --strict passed: the selected families have no goals"),
+        (["met"], False, False, "check: --check passed: goals: 1 met"),
+        (
+            ["met", "inconclusive"],
+            False,
+            False,
+            "check: --check passed: goals: 1 met, 1 inconclusive",
+        ),
+        (["met", "not measured"], True, True, "check: --strict FAILED: 1 of 2 goal(s)"),
+        (["missed", "inconclusive"], False, True, "check: --check FAILED: 1 of 2 goal(s)"),
+    ],
+)
+def test_check_goals(verdicts, strict, fails, last):
+    failed, lines = cli.check_goals([goal(v) for v in verdicts], strict=strict)
+    assert failed is fails
+    assert lines[-1] == last
+    assert sum(line.startswith("check: goal ") for line in lines) == (
+        sum(v != "met" for v in verdicts) if strict else verdicts.count("missed")
+    )
 
 
 def test_help_says_what_check_counts(capsys):

@@ -35,6 +35,32 @@ def plt():
     pyplot.close("all")
 
 
+#: The figures several tests look at, each built once per module (building and laying
+#: out a figure is most of a plot test's time). Tests only read them.
+FIGURES = {
+    "overhead_accumulator": lambda plt: plots.overhead_figure(plt, accumulator_family()),
+    "overhead_rng": lambda plt: plots.overhead_figure(plt, rng_family()),
+    "overhead_contention": lambda plt: plots.overhead_figure(plt, contention_family()),
+    "threads": lambda plt: plots.throughput_figure(plt, [contention_family()]),
+    "against": lambda plt: plots.against_figure(plt, scope_family(), "variables"),
+}
+
+
+@pytest.fixture(scope="module")
+def figure(plt):
+    """``figure(name)``: the figure of :data:`FIGURES` called ``name``."""
+    made: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in made:
+            made[name] = FIGURES[name](plt)
+        return made[name]
+
+    yield get
+    for fig in made.values():
+        plt.close(fig)
+
+
 def drawn_texts(fig: Any) -> list[Any]:
     """The texts of ``fig`` that a draw shows: visible, not empty, and for tick labels
     only those of ticks inside the axis' view (the others are kept but not drawn)."""
@@ -146,16 +172,14 @@ def scope_family() -> dict[str, Any]:
     )
 
 
-def test_throughput_plot_draws_only_what_varies_with_threads(tmp_path):
-    plt = plots._pyplot(io.StringIO())
+def test_throughput_plot_draws_only_what_varies_with_threads(plt, tmp_path):
     # The run that gave a 7260x462 image: one contention workload over 1, 2, 4, 8
     # threads and ten single-thread cases.
     family = thread_family({"contention": (1, 2, 4, 8), **{f"audit{i}": (1,) for i in range(10)}})
     fig = plots.throughput_figure(plt, [family])
     assert len(fig.axes) == 1
-    plt.close(fig)
     path = tmp_path / "throughput_vs_threads.png"
-    assert plots._throughput(plt, [family], path)
+    assert plots._save(plt, fig, path)  # what write_plots does with it
     width, height = png_size(path)
     assert 300 <= width <= 800 and 250 <= height <= 600
     # Seven workloads that vary: a grid three panels wide, one axes per panel.
@@ -163,8 +187,7 @@ def test_throughput_plot_draws_only_what_varies_with_threads(tmp_path):
     fig = plots.throughput_figure(plt, [family])
     assert len(fig.axes) == 7
     assert fig.get_size_inches() == pytest.approx((15.0, 3 * 3.6))
-    plt.close(fig)
-    assert plots._throughput(plt, [family], path)
+    assert plots._save(plt, fig, path)
     width, height = png_size(path)
     assert width <= 3 * 5 * plots.DPI and height <= 3 * 3.6 * plots.DPI
     assert width >= 2 * 5 * plots.DPI and height >= 2 * 3.6 * plots.DPI
@@ -183,30 +206,16 @@ def test_missing_matplotlib_skips_plots_without_crashing(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    "figure",
-    [
-        lambda plt: plots.overhead_figure(plt, accumulator_family()),
-        lambda plt: plots.overhead_figure(plt, rng_family()),
-        lambda plt: plots.overhead_figure(plt, contention_family()),
-        lambda plt: plots.throughput_figure(plt, [contention_family()]),
-        lambda plt: plots.against_figure(plt, scope_family(), "variables"),
-    ],
-    ids=["overhead_accumulator", "overhead_rng", "overhead_contention", "threads", "against"],
-)
-def test_no_text_is_cut(plt, figure):
-    fig = figure(plt)
+@pytest.mark.parametrize("name", FIGURES)
+def test_no_text_is_cut(figure, name):
+    fig = figure(name)
     assert clipped_texts(fig) == []
-    texts = [t.get_text() for t in drawn_texts(fig)]
-    plt.close(fig)
-    assert texts  # the check looked at something
+    assert drawn_texts(fig)  # the check looked at something
 
 
-def test_every_label_is_whole(plt):
+def test_every_label_is_whole(figure):
     """Case and variant names are drawn as they are: no ellipsis, no cut."""
-    fig = plots.overhead_figure(plt, accumulator_family())
-    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-    plt.close(fig)
+    labels = [t.get_text() for t in figure("overhead_accumulator").axes[0].get_yticklabels()]
     for width in (128, 1024):
         assert (
             f"micro_steps/mlp2x{width}/b32/k4  (1 = keras gradient_accumulation_steps)" in labels
@@ -214,14 +223,12 @@ def test_every_label_is_whole(plt):
     assert "keras gradient_accumulation_steps + one tf mutex" in labels
 
 
-def test_each_heading_names_one_baseline(plt):
+def test_each_heading_names_one_baseline(figure):
     """The rng family has two baselines: each case's heading names its own, and the axis
     title names none."""
-    fig = plots.overhead_figure(plt, rng_family())
-    ax = fig.axes[0]
+    ax = figure("overhead_rng").axes[0]
     headings = [t.get_text() for t in ax.get_yticklabels() if t.get_fontweight() == "bold"]
     xlabel = ax.get_xlabel()
-    plt.close(fig)
     assert headings == [
         "normal/eager/1M  (1 = tf.random.Generator.normal)",
         "normal_vs_stateless/eager/1M  (1 = tf.random.stateless_normal)",
@@ -290,9 +297,8 @@ def test_goal_lines_are_drawn_at_the_bound_in_the_verdict_colour(plt):
     assert "goal bound, met" in legend and "goal bound, missed" in legend
 
 
-def test_lost_updates_are_shown_beside_the_throughput(plt):
-    fig = plots.throughput_figure(plt, [contention_family()])
-    throughput, lost = fig.axes
+def test_lost_updates_are_shown_beside_the_throughput(figure):
+    throughput, lost = figure("threads").axes
     assert throughput.get_ylabel().startswith("operations / s")
     assert "lost" in lost.get_title()
     heights = {
@@ -301,7 +307,6 @@ def test_lost_updates_are_shown_beside_the_throughput(plt):
     }
     labels = [t.get_text() for t in lost.texts]
     racy_style = {line.get_label(): line.get_linestyle() for line in throughput.get_lines()}
-    plt.close(fig)
     # Per thread count (1, 2, 4, 8): the racy baseline loses updates from 2 threads on.
     assert heights["tf.Variable (racy)"][0] == 0
     assert all(h > 0 for h in heights["tf.Variable (racy)"][1:])
@@ -311,15 +316,14 @@ def test_lost_updates_are_shown_beside_the_throughput(plt):
     assert racy_style["SafeVariable.update"] == "-"
 
 
-def test_a_family_declaring_plot_against_gets_a_ratio_plot(plt, tmp_path):
-    family = scope_family()
-    fig = plots.against_figure(plt, family, "variables")
+def test_a_family_declaring_plot_against_gets_a_ratio_plot(figure, tmp_path):
+    fig = figure("against")
     assert len(fig.axes) == 2  # one panel per way of training
     for ax in fig.axes:
         assert ax.get_xlabel() == "variables"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["20", "200", "400"]
         assert any(line.get_ydata()[0] == 1.25 for line in ax.get_lines())  # the goal
-    plt.close(fig)
+    family = scope_family()
     written = plots.write_plots({"families": [family]}, tmp_path, io.StringIO())
     assert [p.name for p in written] == ["overhead_scope.png", "scope_vs_variables.png"]
     del family["plot_against"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from benchmark_fakes import png_size
 
-from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, plots, schema
+from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, plots, report, schema
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
 TINY = [
@@ -130,3 +130,13 @@ def test_quick_suite_writes_markdown_plots_and_reports_progress(quick_run):
     assert "| case | variant | median |" in markdown
     assert "x baseline [95% CI]" in completed.stdout and "assign_add/scalar" in completed.stdout
     assert "[1/" in completed.stderr and "eager" in completed.stderr
+
+
+def test_quick_suite_output_fits_the_terminal_and_nothing_breaks_a_progress_line(quick_run):
+    completed, _ = quick_run
+    assert max(len(line) for line in completed.stdout.splitlines()) <= report.TERMINAL_WIDTH
+    cases = [line for line in completed.stderr.splitlines() if " ... " in line]
+    assert len(cases) > 20
+    for line in cases:  # "[n/N family] (i/M) case ... 0.1 s: figures", nothing inside
+        assert line.startswith("[") and " s: " in line, line
+    assert "triggered tf.function retracing" not in completed.stderr
