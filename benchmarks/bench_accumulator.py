@@ -110,6 +110,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.case import Case, Context
+from benchmarks.tf_functions import variant_function
 from safevars import _tf_internal as tfi
 from safevars.accumulator import GradientAccumulator
 
@@ -187,7 +188,7 @@ def _keras_variant(spec: Model, batches: list) -> Callable[[], None]:
     optimizer = keras.optimizers.SGD(0.01, gradient_accumulation_steps=MICRO_STEPS)
     optimizer.build(model.trainable_variables)
 
-    @tf.function(autograph=False)
+    @variant_function(autograph=False)
     def micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         optimizer.apply(_gradients(model, x, y), model.trainable_variables)
         return optimizer.iterations
@@ -211,7 +212,7 @@ def _keras_mutex_variant(spec: Model, batches: list) -> Callable[[], None]:
     optimizer.build(model.trainable_variables)
     mutex = tf.CriticalSection(shared_name=f"bench_keras_mutex_{spec.name}")
 
-    @tf.function(autograph=False)
+    @variant_function(autograph=False)
     def micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         lock = tfi.mutex_lock(mutex._handle)
         grads = _gradients(model, x, y)
@@ -245,11 +246,11 @@ def _accumulator_variant(
         model.trainable_variables, deterministic=deterministic, max_pending=max_pending
     )
 
-    @tf.function(autograph=False)
+    @variant_function(autograph=False)
     def micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         return acc.add(_gradients(model, x, y))
 
-    @tf.function(autograph=False)
+    @variant_function(autograph=False)
     def last_micro_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         if fused:
             grads = acc.add_and_take(_gradients(model, x, y))

@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.case import Case, Context
+from benchmarks.tf_functions import variant_function
 from safevars.data import ShardedInput
 
 FAMILY = "data"
@@ -71,9 +72,10 @@ def _source(n: int) -> tuple[np.ndarray, np.ndarray]:
 def _reader(
     iterator: Any, steps: int, ctx: Context, commit: Callable[[Any], None] | None
 ) -> Callable[[], Any]:
-    """A call that takes ``steps`` elements/batches from ``iterator`` and sums them."""
+    """A call that takes ``steps`` elements/batches from ``iterator`` and sums them (one
+    ``tf.function`` per reader, see :mod:`benchmarks.tf_functions`)."""
 
-    @tf.function(autograph=False)
+    @variant_function(autograph=False)
     def read() -> tf.Tensor:
         def body(i: tf.Tensor, total: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             element = next(iterator)

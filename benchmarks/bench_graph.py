@@ -45,6 +45,7 @@ import tensorflow as tf
 import safevars
 from benchmarks.bench_eager import OPS, shape_of
 from benchmarks.case import Case, Context, size_label
+from benchmarks.tf_functions import variant_function
 
 FAMILY = "graph"
 DESCRIPTION = (
@@ -137,7 +138,9 @@ def cases(ctx: Context) -> list[Case]:
         for op in OPS:
 
             def function(variable: Any, wrap: Callable[[Callable[[], Any]], Any]) -> Any:
-                return tf.function(_body(op, variable, value, delta, one, wrap), autograph=False)
+                return variant_function(
+                    _body(op, variable, value, delta, one, wrap), autograph=False
+                )
 
             plain_fn = function(plain, _direct)
             safe_fn = function(safe, _direct)

@@ -24,6 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from benchmarks.case import Case, Context, size_label
+from benchmarks.tf_functions import variant_function
 from safevars.rng import ReplicaRNG
 
 FAMILY = "rng"
@@ -78,7 +79,7 @@ def _variants(
             with tf.device(ctx.device):
                 return [draw(base, i) for i in range(count)]
 
-        return tf.function(body, autograph=False)
+        return variant_function(body, autograph=False)
 
     generator_fn = graph(lambda base, i: generator.normal(shape))
     stateless_fn = graph(

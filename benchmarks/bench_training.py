@@ -64,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.case import Case, Context
+from benchmarks.tf_functions import variant_function
 from safevars.optimizer import SafeOptimizer
 
 FAMILY = "training"
@@ -103,7 +104,7 @@ def _train_step(
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer.build(model.trainable_variables)
 
-    @tf.function(autograph=False, jit_compile=jit_compile)
+    @variant_function(autograph=False, jit_compile=jit_compile)
     def step() -> tf.Tensor:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))

@@ -7,13 +7,18 @@ Each family lives in ``benchmarks/bench_<family>.py`` and defines::
     def cases(ctx: Context) -> list[Case]: ...
     DEFAULT = False                        # optional: run only when --cases names it
     ORDER = 3                              # optional: position in runs and reports
+    PLOT_AGAINST = "variables"             # optional: a plot of ratios against a parameter
 
-Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT`` and ``ORDER`` as literals: the runner
+Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER`` and ``PLOT_AGAINST`` as literals: the runner
 reads them without importing the module, so a family that fails to import is still
 listed and reported by name, and an optional family is not imported unless selected (a
 module whose ``FAMILY`` is not a literal is imported to read it). ``DEFAULT`` may be left
 out (True); so may ``ORDER`` (families without it come after the others, by file name;
-the issue's family number is a good ``ORDER``).
+the issue's family number is a good ``ORDER``). ``PLOT_AGAINST`` names a numeric entry
+of the cases' ``params`` (for instance ``"variables"`` for cases built at 20, 200 and 400
+variables): besides ``overhead_<family>.png``, the run then draws
+``<family>_vs_<param>.png``, each variant's ratio to the baseline against that parameter,
+one panel per set of cases sharing every other parameter (see :mod:`benchmarks.plots`).
 
 A :class:`Case` holds *variants*: zero-argument callables doing one unit of work. The
 first variant is the baseline (plain ``tf.Variable`` or the stock TensorFlow/Keras way);

@@ -2,7 +2,19 @@
 
 Exit status: 0 when every selected family ran, 1 when a family or case failed (the others
 still ran and were written), 2 for a usage error (unknown ``--cases`` name, ``--device gpu``
-without a GPU).
+without a GPU). Goals do not change it unless asked:
+
+* ``--check``: also 1 when a goal was **missed** (its whole 95% interval on the wrong side
+  of the bound). An **inconclusive** goal (the interval straddles the bound, or too few
+  rounds for one) or one **not measured** does not fail the check: it is not evidence of
+  a regression, and on a shared or noisy machine most goals near their bound are
+  inconclusive. stderr says how many there were, and that ``--strict`` counts them.
+* ``--strict``: ``--check``, and an inconclusive or unmeasured goal fails it too (exit 1):
+  for a quiet, dedicated machine with enough rounds (``--repeat``, ``--rounds``) that
+  every goal is decided.
+
+Either way every result is written first (``results.json``, ``results.md``, the plots),
+and stderr ends with one ``check:`` line per goal that failed the check.
 
 TensorFlow's C++ start-up log (the absl notice, oneDNN, CUDA-driver and CPU-feature lines)
 is hidden unless ``--verbose`` or ``SAFEVARS_VERBOSE=1``: ``examples/_quiet.py``, shared
@@ -23,7 +35,7 @@ from typing import Any, TextIO
 from benchmarks import devices, discovery, metadata, plots, report, runner, schema
 from benchmarks.timing import TimingSettings
 
-__all__ = ["main", "parser"]
+__all__ = ["check_goals", "main", "parser"]
 
 EPILOG = """\
 examples:
@@ -34,10 +46,15 @@ examples:
   python -m benchmarks --cases distributed  # optional families run only when named
   python -m benchmarks --cases graph,accumulator --repeat 5   # 5 passes, rounds pooled
   python -m benchmarks --quick --verbose    # with TensorFlow's C++ start-up log
+  python -m benchmarks --check              # exit 1 if a goal is missed (a CI gate)
 
 Every ratio is printed with its 95% confidence interval (paired bootstrap of the ratio
 of medians over the rounds); a goal is met when its whole interval satisfies the bound,
 missed when none of it does, inconclusive otherwise.
+
+exit status: 0 everything ran (and, with --check, no goal was missed); 1 a family or
+case failed, or --check found a missed goal (--strict: a goal not met); 2 usage error.
+The stdout table fits 120 columns; results.md has every column.
 """
 
 
@@ -158,6 +175,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="thread counts for contention cases (default: 1,2,4,8)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a goal is missed (its whole 95%% interval on the wrong side of "
+        "the bound); inconclusive and unmeasured goals are reported on stderr but pass",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="--check, and an inconclusive or unmeasured goal fails it too",
+    )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument(
         "--verbose",
@@ -201,6 +229,41 @@ def _list(families: Sequence[discovery.FamilyInfo], out: TextIO) -> None:
         flag = "" if f.default else " (optional: run with --cases " + f.name + ")"
         problem = f"  [cannot load: {f.problem}]" if f.problem else ""
         print(f"{f.name.ljust(width)}  {f.description}{flag}{problem}", file=out)
+
+
+def check_goals(goals: Sequence[dict[str, Any]], strict: bool) -> tuple[bool, list[str]]:
+    """Whether ``goals`` fail ``--check`` (``--strict`` if ``strict``), and the lines
+    saying why, for stderr.
+
+    A missed goal fails the check; with ``strict`` an inconclusive or unmeasured one
+    fails it too, otherwise one line counts them. A run without goals passes.
+    """
+    failing = {"missed", "inconclusive", "not measured"} if strict else {"missed"}
+    failed = [g for g in goals if g["verdict"] in failing]
+    lines = [
+        f"check: goal {g['family']}/{g['case']} {g['verdict'].upper()}: {g['variant']} "
+        f"over {g['reference']} {g['operator']} {g['bound']:.2f}x, measured "
+        + (
+            "nothing"
+            if g["ratio"] is None
+            else report.format_ratio(g["ratio"], g["ratio_ci_95"], digits=3, unit="x")
+        )
+        for g in failed
+    ]
+    undecided = [g for g in goals if g["verdict"] in ("inconclusive", "not measured")]
+    if undecided and not strict:
+        lines.append(
+            f"check: {len(undecided)} goal(s) inconclusive or not measured, not counted "
+            "(--strict counts them; --repeat or --rounds narrows the intervals)"
+        )
+    mode = "--strict" if strict else "--check"
+    if not goals:
+        lines.append(f"check: {mode} passed: the selected families have no goals")
+    elif failed:
+        lines.append(f"check: {mode} FAILED: {len(failed)} of {len(goals)} goal(s)")
+    else:
+        lines.append(f"check: {mode} passed: {report.goal_summary(goals)}")
+    return bool(failed), lines
 
 
 def main(
@@ -288,4 +351,8 @@ def main(
     failed = [f["name"] for f in results if f["status"] != "ok"]
     if failed:
         print(f"FAILED families: {', '.join(failed)} (see results.md)", file=stderr)
-    return 1 if failed or problems else 0
+    missed = False
+    if args.check or args.strict:
+        missed, lines = check_goals(document["goals"], strict=args.strict)
+        print("\n".join(lines), file=stderr)
+    return 1 if failed or problems or missed else 0

@@ -1,7 +1,7 @@
 """Finding the case families: every ``bench_<family>.py`` module of a package.
 
-A family is described *statically*: ``FAMILY``, ``DESCRIPTION`` and ``DEFAULT`` are read
-from the module's source with :mod:`ast`, without importing it. So ``--cases`` knows every
+A family is described *statically*: ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``
+and ``PLOT_AGAINST`` are read from the module's source with :mod:`ast`, without importing it. So ``--cases`` knows every
 family's name even when one of them fails to import (that family is then reported as
 failed, with the error), and an optional family (``DEFAULT = False``, like the
 ``distributed`` family) is not even imported unless it is selected. A module whose
@@ -47,6 +47,8 @@ class FamilyInfo:
       description: ``DESCRIPTION`` ("" when absent).
       default: Whether the family runs when ``--cases`` is not given.
       order: ``ORDER``: position in runs and reports (``None`` sorts last, by file).
+      plot_against: ``PLOT_AGAINST``: the numeric case parameter the family's ratios are
+        plotted against (``<family>_vs_<param>.png``), or ``None``.
       problem: Why the module cannot be used, found without running it (a syntax error,
         no ``FAMILY``), or ``None``.
     """
@@ -57,6 +59,7 @@ class FamilyInfo:
     description: str = ""
     default: bool = True
     order: int | None = None
+    plot_against: str | None = None
     problem: str | None = None
 
 
@@ -104,6 +107,7 @@ def _describe(path: Path, package: str) -> FamilyInfo:
     description = values.get("DESCRIPTION", "")
     default = values.get("DEFAULT", True)
     order = values.get("ORDER")
+    plot_against = values.get("PLOT_AGAINST")
     return FamilyInfo(
         name=name,
         module=module,
@@ -111,6 +115,7 @@ def _describe(path: Path, package: str) -> FamilyInfo:
         description=description if isinstance(description, str) else "",
         default=default if isinstance(default, bool) else True,
         order=order if isinstance(order, int) and not isinstance(order, bool) else None,
+        plot_against=plot_against if isinstance(plot_against, str) and plot_against else None,
     )
 
 

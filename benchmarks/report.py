@@ -1,6 +1,11 @@
 """Writing the results: the stdout table, ``results.md`` and ``results.json``.
 
-Columns (the same in the text and Markdown tables):
+The stdout table fits :data:`TERMINAL_WIDTH` (120) columns: each case is a heading with
+its variants indented below it, without the min and max columns, and a line that would
+be longer wraps (notes under the notes column, other lines indented). ``results.md``
+has every column, one row per variant.
+
+Columns (``results.md``; the stdout table has all but min and max):
 
 * **case / variant**: what was timed; the first variant of a case is the baseline.
 * **median, min, max**: time per operation over the rounds (a call of a variant does
@@ -18,11 +23,13 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "TERMINAL_WIDTH",
     "format_interval",
     "format_ratio",
     "format_seconds",
@@ -36,6 +43,12 @@ __all__ = [
 ]
 
 HEADER = ("case", "variant", "median", "min", "max", "ops/s", "x baseline [95% CI]", "notes")
+#: The stdout table's columns: case headings, then their variants indented.
+TEXT_HEADER = ("case / variant", "median", "ops/s", "x baseline [95% CI]", "notes")
+#: No line of the stdout table is longer (``results.md`` has no limit).
+TERMINAL_WIDTH = 120
+#: Notes narrower than this go on lines of their own below their row.
+MIN_NOTES_WIDTH = 30
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -162,21 +175,54 @@ def _metadata_lines(document: dict[str, Any]) -> list[str]:
     ]
 
 
+def _wrap(text: str, indent: str = "    ", width: int = TERMINAL_WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` columns, the continuations indented."""
+    return textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+
+
+def _family_lines(family: dict[str, Any]) -> list[str]:
+    """One family's stdout table: each case a heading, its variants indented below."""
+    rows = table_rows(family)
+    cells = [(f"    {r[1]}", r[2], r[5], r[6]) for r in rows if r[1] != "FAILED"]
+    widths = [max(len(c[i]) for c in [TEXT_HEADER[:4], *cells]) for i in range(4)]
+    notes_at = sum(widths) + 2 * len(widths)
+    notes_width = TERMINAL_WIDTH - notes_at
+
+    def line(columns: tuple[str, ...], notes: str) -> list[str]:
+        head = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+        if not notes:
+            return _wrap(head.rstrip())
+        if notes_width < MIN_NOTES_WIDTH:
+            return _wrap(head.rstrip()) + _wrap("      " + notes, " " * 6)
+        parts = textwrap.wrap(notes, notes_width, break_on_hyphens=False)
+        return [head + "  " + parts[0]] + [" " * notes_at + p for p in parts[1:]]
+
+    lines = line(TEXT_HEADER[:4], TEXT_HEADER[4])
+    case = None
+    for row in rows:
+        if row[1] == "FAILED":
+            lines += _wrap(f"  {row[0]}: FAILED: {row[-1]}", " " * 6)
+            continue
+        if row[0] != case:
+            case = row[0]
+            lines += _wrap(f"  {case}", " " * 4)
+        lines += line((f"    {row[1]}", row[2], row[5], row[6]), row[7])
+    return lines
+
+
 def text_table(document: dict[str, Any]) -> str:
-    """The plain-text results table printed on stdout."""
-    lines = _metadata_lines(document)
+    """The plain-text results table printed on stdout, at most :data:`TERMINAL_WIDTH`
+    columns wide (see the module docstring)."""
+    lines = [part for line in _metadata_lines(document) for part in _wrap(line)]
     for family in document["families"]:
-        lines += ["", _family_title(family)]
-        rows = [HEADER, *table_rows(family)]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
-        for row in rows:
-            cells = [c.ljust(w) for c, w in zip(row, widths)] + [row[-1]]
-            lines.append("  ".join(cells).rstrip())
-    lines += ["", *_goal_lines(document["goals"])]
+        lines += ["", *_wrap(_family_title(family)), *_family_lines(family)]
+    lines.append("")
+    for goal in _goal_lines(document["goals"]):
+        lines += _wrap(goal)
     summary = goal_summary(document["goals"])
     if summary:
         lines.append(summary)
-    lines += ["", method_note(document)]
+    lines += ["", *_wrap(method_note(document), "")]
     return "\n".join(lines).rstrip() + "\n"
 
 

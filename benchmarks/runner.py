@@ -12,6 +12,11 @@ that fails in any pass is reported as failed.
 
 Every ratio comes with its 95% confidence interval (:func:`benchmarks.timing.ratio_interval`),
 and a goal's verdict with it (:func:`verdict`).
+
+Progress goes to ``progress`` (stderr), one line per case, written in two parts: the
+case's name before it runs, its figures after. What Python's logging and
+:mod:`warnings` print while it runs (a TensorFlow retracing warning, say) is held until
+the line is complete, then printed on lines of its own (:mod:`benchmarks.logs`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from benchmarks import logs
 from benchmarks.case import Case, Context, goal_spec
 from benchmarks.discovery import FamilyInfo, load_cases_function
 from benchmarks.report import format_interval, format_seconds
@@ -287,6 +293,7 @@ def _new_record(info: FamilyInfo) -> dict[str, Any]:
         "description": info.description,
         "module": info.module,
         "default": info.default,
+        "plot_against": info.plot_against,
         "status": "ok",
         "error": None,
         "traceback": None,
@@ -354,7 +361,8 @@ def run_families(
                     file=progress,
                     flush=True,
                 )
-                timings, duration, error = _run_case(case, settings, clock, device_sync)
+                with logs.held() as held:  # nothing lands inside the progress line
+                    timings, duration, error = _run_case(case, settings, clock, device_sync)
                 entry = by_case.setdefault(case.name, _CaseRuns(case))
                 entry.duration += duration
                 if error is not None:
@@ -363,6 +371,7 @@ def run_families(
                     entry.runs.append(timings)
                 line = case_result(case, info.name, timings, duration, error)
                 print(f" {duration:.1f} s: {_one_line(line)}", file=progress, flush=True)
+                held.replay()
             del cases
             gc.collect()
             record["duration_s"] += time.perf_counter() - started

@@ -19,7 +19,9 @@ measured" without a ratio).
 
 Version 2 (this one) added the intervals, ``verdict``, ``operator``/``bound`` (goals of
 the form ">= x"), ``settings.repeat`` and the per-repetition round counts; ``met`` is
-now true/false only for a met/missed verdict (null when inconclusive).
+now true/false only for a met/missed verdict (null when inconclusive). Later additions
+are optional, so documents written before them stay valid: ``ratio_per_repetition`` of a
+goal, ``plot_against`` of a family.
 """
 
 from __future__ import annotations
@@ -214,12 +216,18 @@ _FAMILY = _obj(
         "description": _str("DESCRIPTION of the module."),
         "module": _str("Module name."),
         "default": {"type": "boolean", "description": "Runs without --cases."},
+        "plot_against": {
+            "type": ["string", "null"],
+            "description": "PLOT_AGAINST of the module: the numeric case parameter its "
+            "ratios are plotted against (<family>_vs_<param>.png), or null.",
+        },
         "status": _STATUS,
         "error": _ERROR,
         "traceback": _TRACEBACK,
         "duration_s": _num("Wall time spent on the family."),
         "cases": {"type": "array", "items": _CASE, "description": "Measured cases."},
     },
+    optional=("plot_against",),  # added after version 2 was released
 )
 
 _METADATA = _obj(

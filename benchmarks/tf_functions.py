@@ -1,0 +1,43 @@
+"""One ``tf.function`` per variant, which TensorFlow's retracing warning tells apart.
+
+TensorFlow warns "5 out of the last N calls to <function> triggered tf.function
+retracing" when five traces fall within ten calls of functions that share one *Python
+code object*: its detector (``_FrequentTracingDetectorManager`` in TensorFlow's
+``polymorphic_function.py``) keys every ``tf.function`` by the ``__code__`` of the
+function it wraps, after unwrapping ``__wrapped__`` and ``__func__``, not by the
+``tf.function`` object. A family that builds one ``tf.function`` per variant (or per
+pipeline instance) from one ``def``, a closure over that variant's model, variables or
+iterator, traces each of them once, yet the detector counts every first trace against
+the shared code: the ``data`` family's eight single-element readers and the
+``accumulator`` family's eight ``last_micro_step`` functions printed that warning in the
+middle of a progress line (issue 38), about functions that never retraced.
+
+:func:`variant_function` wraps the function in a :func:`functools.partial` before
+handing it to ``tf.function``: a partial has no ``__code__``, so the detector keys it by
+the partial itself, one per ``tf.function``. A real retrace (one of those functions
+traced again, for new shapes or Python arguments) still warns.
+
+TensorFlow is imported at the first call, so that importing this module (and the CLI's
+``--list``) stays free of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["variant_function"]
+
+
+def variant_function(python_function: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """``tf.function(python_function, **options)``, keyed by itself for retracing warnings.
+
+    Use it as ``tf.function`` is used, as a call or a decorator (``@variant_function(
+    autograph=False)``), for a function built once per variant or instance.
+    """
+    if python_function is None:
+        return functools.partial(variant_function, **options)
+    import tensorflow as tf
+
+    return tf.function(functools.partial(python_function), **options)
