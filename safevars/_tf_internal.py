@@ -18,10 +18,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import warnings
+import weakref
 from types import ModuleType
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.function.trace_type import default_types as _default_trace_types
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.distribute import distribute_lib, sharded_variable, values_util
 from tensorflow.python.distribute import values as ds_values
@@ -153,9 +155,11 @@ __all__ = [
     "mutex_lock",
     "nest",
     "object_identity",
+    "opaque_trace_type",
     "ops",
     "raise_from_not_ok_status",
     "read_eagerly",
+    "read_value_op",
     "resource_variable_ops",
     "sharded_variable",
     "tensor_conversion_registry",
@@ -209,6 +213,60 @@ def keep_cond_as_kernel(op) -> None:
     """Runs a ``tf.cond``'s ``If`` op as one kernel, not lowered to ``Switch``/``Merge``
     (``Operation._set_attr``; TensorFlow's own control-flow code sets this attribute)."""
     op._set_attr("_lower_using_switch_merge", tf.compat.v1.AttrValue(b=False))
+
+
+class _ByIdentity(_default_trace_types.Weakref):
+    """TensorFlow's trace type of an object it cannot convert (held weakly, the object
+    itself inside the trace), compared by identity: a variable's ``==`` is elementwise
+    and its hash raises."""
+
+    def __init__(self, ref: Any) -> None:
+        self._ref = ref
+        self._ref_hash = id(ref())
+
+    def cast(self, value: Any, _: Any) -> Any:
+        if value is self._ref():
+            return value
+        raise ValueError(f"Can not cast {value!r} to {self!r}")
+
+    def flatten(self) -> list[Any]:
+        if isinstance(self._ref(), resource_variable_ops.BaseResourceVariable):
+            return [tf.TensorSpec([], tf.resource)]
+        return []
+
+    def to_tensors(self, value: Any) -> list[Any]:
+        # A resource variable among a function's arguments passes its handle as an
+        # input (TensorFlow makes the handle's capture an input), as VariableSpec does.
+        if isinstance(value, resource_variable_ops.BaseResourceVariable):
+            variable_accessed(value)
+            return [value.handle]
+        return []
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, _ByIdentity):
+            return False
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
+
+    __hash__ = _default_trace_types.Weakref.__hash__
+
+    def __repr__(self) -> str:
+        return f"ByIdentity[{type(self._ref()).__name__} at {self._ref_hash:#x}]"
+
+
+def opaque_trace_type(value):
+    """The ``tf.function`` trace type of an argument traced as the object itself (by
+    identity, held weakly), the type TensorFlow gives objects it cannot convert."""
+    return _ByIdentity(weakref.ref(value))
+
+
+def read_value_op(variable):
+    """A read of ``variable`` (a resource variable) as one ``ReadVariableOp``: in a graph,
+    ``read_value`` adds an ``Identity`` after it."""
+    if not isinstance(variable, resource_variable_ops.ResourceVariable):
+        return variable.read_value()
+    variable_accessed(variable)
+    return gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
 
 
 def read_eagerly(variable, handle, dtype):

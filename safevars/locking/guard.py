@@ -87,15 +87,21 @@ class Guard:
         "_writes",
         "version_var",
         "joint",
+        "graph_reads",
         "__weakref__",
     )
 
-    def __init__(self, variable: Any, version: int = 0) -> None:
+    def __init__(self, variable: Any, version: int = 0, lock: SectionLock | None = None) -> None:
         self.name = getattr(variable, "name", "variable")
         self.device = getattr(variable, "device", "")
         self._version = int(version)
         self._writes = 0
-        self.lock = SectionLock(self.name, self.device)
+        self.graph_reads = 0  # traced reads of the version (joint counters need none)
+        if lock is None:
+            lock = SectionLock(self.name, self.device)
+        else:
+            lock.names.append(self.name)
+        self.lock = lock
         self.joint: JointCounter | None = None  # set by join_versions, then fixed
         _GUARDS_BY_LOCK.setdefault(self.lock, weakref.WeakSet()).add(self)
         with tf.init_scope(), tf.device(self.device):
@@ -234,6 +240,7 @@ class Guard:
 
         Read inside the guard's section, or validated, by the caller.
         """
+        self.graph_reads += 1  # before reading ``joint``: join_versions checks it after
         value = self.version_var.read_value()
         if self.joint is None:
             return value

@@ -49,27 +49,34 @@ def join_versions(guards: Sequence[Guard]) -> bool:
     Returns:
       Whether they now share a counter. False (nothing changed) when fewer than two
       guards are given, they do not share one lock (:func:`share_lock` first), a guard
-      already has a counter, or the lock has been used by a traced graph (such a graph
-      reads the versions without the counter).
+      already has a counter, or a traced graph has read the version of one of them
+      (such a graph reads the version without the counter).
 
-    Thread safety: made with the shared lock held.
+    Thread safety: made with the shared lock held. A graph traced meanwhile that reads
+    a member's version counts itself in ``Guard.graph_reads`` before it looks at
+    ``joint``, which is checked again once the counter is set: either that graph sees
+    the counter or the join is undone (a counter never added to adds nothing).
 
-    Modes: eager only (call it while building, after ``share_lock``).
+    Modes: eagerly, or while tracing (the counter is made in the init scope).
     """
     guards = list(dict.fromkeys(guards))
-    if len(guards) < 2 or not tf.executing_eagerly():
+    if len(guards) < 2:
         return False
     lock = guards[0].lock
-    if any(g.lock is not lock or g.joint is not None for g in guards):
+    if any(g.lock is not lock or g.joint is not None or g.graph_reads for g in guards):
         return False
-    with hold_locks([lock]):
-        if lock.graph_uses or any(g.lock is not lock or g.joint is not None for g in guards):
+    with tf.init_scope(), hold_locks([lock]):
+        if any(g.lock is not lock or g.joint is not None or g.graph_reads for g in guards):
             return False
         counter = JointCounter(guards, guards[0].version_var.device)
         # The counter starts at 0, so each version variable already stores its version
         # minus the counter: nothing to move. Set last: a guard with a counter is complete.
         for guard in guards:
             guard.joint = counter
+        if any(g.graph_reads for g in guards):  # a graph read a version meanwhile
+            for guard in guards:
+                guard.joint = None
+            return False
     return True
 
 

@@ -47,13 +47,14 @@ def share_lock(guards: Sequence[Guard]) -> bool:
         return True
     if not tf.executing_eagerly():
         return False
-    if any(lock.graph_uses or lock._slot for lock in locks):
+    used = [lock for lock in locks if lock.graph_uses]
+    if len(used) > 1 or any(lock._slot for lock in locks):
         return False
     if len({lock.device for lock in locks if on_parameter_server(lock.device)}) > 1:
         return False
-    target = locks[0]
+    target = used[0] if used else locks[0]
     with hold_locks(locks):
-        if any(lock.graph_uses for lock in locks):
+        if any(lock.graph_uses for lock in locks if lock is not target):
             return False
         runtime = any(lock.runtime for lock in locks)
         for guard in guards:
@@ -68,7 +69,7 @@ def share_lock(guards: Sequence[Guard]) -> bool:
             target.names.append(guard.name)
     if runtime and not target.runtime:
         ensure_runtime(target, False)
-    for lock in locks[1:]:
-        if not _guards_of_lock(lock):
+    for lock in locks:
+        if lock is not target and not _guards_of_lock(lock):
             drop_runtime(lock)
     return True

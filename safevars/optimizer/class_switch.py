@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from typing import Any
 
 import keras
 
 from safevars._validation import short
+from safevars.creator_scope import traced_plainly
 from safevars.errors import InvalidArgumentError
 from safevars.optimizer.runtime import _Runtime
 from safevars.optimizer.serialization import MODULE, register
@@ -159,4 +161,14 @@ def _make_safe(
         ) from None
     if name is not None:
         optimizer.name = name
+    if traced_plainly(optimizer):
+        warnings.warn(
+            f"Optimizer {optimizer.name!r} was made safe after a tf.function traced its "
+            "plain update: that function keeps the plain update, unlocked and uncounted. "
+            "model.fit traces its step again by itself; trace your own tf.functions "
+            "again (make them anew) after SafeOptimizer(...), or make the optimizer safe "
+            "before its first step.",
+            UserWarning,
+            stacklevel=3,
+        )
     return optimizer

@@ -55,12 +55,14 @@ class KerasUpdatePart(OptimizerPart):
         graph: Any = None if eager else tf.compat.v1.get_default_graph()
         existing: Any = None if eager else set(graph.get_operations())
         reads = [] if eager or not every else [update]
+        slots = [s for g in guards for s in self._safevars.slots.get(g, ())]
         with (
             direct_merge_calls(strategy),
             tf.control_dependencies(reads),
-            writes_counted_by_caller(guards),
+            writes_counted_by_caller(guards + slots) as written,
         ):
             super().apply(grads, variables)
+        guards = guards + [s for s in slots if s in written]
         result = (update, one()) if every else (one(), zero())
         if getattr(_nesting, "depth", 0) > 1:
             return result  # The enclosing SafeOptimizer's section counts the versions.

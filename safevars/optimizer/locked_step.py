@@ -76,7 +76,10 @@ class LockedStepPart(OptimizerPart):
             return
         span = None
         if runtime.lock_span == "step":
-            span = step_span.plan(tf.compat.v1.get_default_graph(), step.variables)
+            # The optimizer's own variables too: a read of ``iterations`` traced before
+            # the update (a step number, a learning-rate schedule) is the step's.
+            spanned = [*step.variables, *self.variables]
+            span = step_span.plan(tf.compat.v1.get_default_graph(), spanned)
         if span is None:  # The lock is taken once every gradient is computed.
             graph_section(guards, body, after=step.grads)
         else:  # From the forward pass's reads to the last write (safevars.sections.step_span).

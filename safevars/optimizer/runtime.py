@@ -91,6 +91,7 @@ class _Runtime:
         "guards",
         "state_guard",
         "fixed_guards",
+        "slots",
         "shared",
         "accumulator",
         "accumulated_set",
@@ -115,6 +116,7 @@ class _Runtime:
         self.ready = False  # Set last by the first build.
         self.guards: list[Guard] = []  # one per built variable, in Keras' order
         self.fixed_guards: list[Guard] = []  # state guard, nested optimizers' states
+        self.slots: dict[Guard, list[Guard]] = {}  # guard -> its safe slots' guards
         self.shared = False
         self.accumulator: Any = None
         # With accumulate_steps > 1: the variable indices every call must give gradients for.

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from safevars import locking
 from safevars._validation import short
+from safevars.creator_scope import STEP_GUARD_HOOKS, slots_of
 from safevars.errors import InvalidArgumentError, UnsupportedStrategyError
 from safevars.optimizer.accumulation import AccumulationPart, _make_accumulator
 from safevars.optimizer.class_switch import _make_safe, _SafeOptimizerType, register_root
@@ -38,7 +39,7 @@ from safevars.optimizer.strategies import StrategiesPart, current_strategy
 from safevars.optimizer.validation import ValidationPart, check_variable, for_keras, name_of
 from safevars.optimizer.versions import VersionsPart
 from safevars.optimizer.whole_state import WholeStatePart
-from safevars.variable import wrap
+from safevars.variable import SafeVariable, wrap
 
 __all__ = ["SafeOptimizer"]
 
@@ -209,17 +210,27 @@ class SafeOptimizer(
         trainables = list(self._trainable_variables)
         guards = [wrap(v).guard for v in trainables]
         nested = [o._safevars.state_guard for o in _nested_safe_optimizers(self)]
-        fixed = [runtime.state_guard, *nested]
+        # The optimizer's own variables made safe (in safevars.scope(): its slots,
+        # iterations): the section holds their locks too, and a step counts each slot
+        # it wrote once, with the variable the slot is for.
+        own = {id(g): g for g in map(_safe_guard, self.variables) if g is not None}
+        runtime.slots = {g: [s for s in slots_of(g) if id(s) in own] for g in guards}
+        fixed = [runtime.state_guard, *nested, *own.values()]
         if runtime.accumulate_steps > 1:
             accumulator = _make_accumulator(
                 trainables, runtime.accumulate_steps, runtime.deterministic, self.name
             )
             runtime.state.accumulator = accumulator
             runtime.accumulator = accumulator
+            # The pending gradients are training state: a checkpoint of the optimizer
+            # alone resumes exactly (a restore made before this build is applied now).
+            self._track_trackable(accumulator, name="safevars_accumulation", overwrite=True)
         share = getattr(locking, "share_lock", None)
         runtime.shared = bool(share(guards + fixed)) if share is not None else False
-        if runtime.shared:
-            locking.join_versions(guards)  # a step writing every variable: one add
+        if runtime.shared and not self.gradient_accumulation_steps:
+            # A step writing every variable (and its slots): one add.
+            slots = [s for g in guards for s in runtime.slots[g]]
+            locking.join_versions(guards + slots)
         runtime.guards = guards
         runtime.fixed_guards = fixed
         runtime.ready = True
@@ -360,6 +371,12 @@ class SafeOptimizer(
             self._safevars_section(step, strategy)
 
 
+def _safe_guard(variable: Any) -> Any:
+    """The guard of a variable that is safe already (SafeVariable-backed), or None."""
+    backing = getattr(variable, "_value", variable)
+    return backing.guard if isinstance(backing, SafeVariable) else None
+
+
 def _nested_safe_optimizers(optimizer: Any) -> list[SafeOptimizer]:
     """Safe optimizers held by ``optimizer`` (LossScaleOptimizer, MultiOptimizer), deep."""
     found: list[SafeOptimizer] = []
@@ -383,3 +400,14 @@ register_root(SafeOptimizer)  # The root-class hook: class_switch derives from i
 SafeOptimizer.__signature__ = inspect.signature(_make_safe).replace(
     return_annotation="SafeOptimizer"
 )
+
+
+def _bookkeeping_guards(optimizer: Any) -> list[Any]:
+    """A safe optimizer's own state guards, for a train step's section (the hook)."""
+    runtime = getattr(optimizer, "_safevars", None)
+    if runtime is None:
+        return []
+    return [runtime.state_guard, *runtime.fixed_guards]
+
+
+STEP_GUARD_HOOKS.append(_bookkeeping_guards)

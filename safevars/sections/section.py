@@ -83,15 +83,19 @@ def lock_section(
     switched = [
         lock for lock in ordered if locking.ensure_runtime(lock, locking._holding(lock, me))
     ]
+    # Counted as used while the body is traced, not only after: share_lock must not move
+    # a variable off a lock the graph being traced takes (a SafeOptimizer built inside a
+    # Keras train step's section).
+    for lock in ordered:
+        lock.graph_uses += 1
     try:
-        result = _traced_section(ordered, fn, after, compiled_call, gated)
+        return _traced_section(ordered, fn, after, compiled_call, gated)
     except BaseException:
+        for lock in ordered:
+            lock.graph_uses -= 1
         for lock in switched:  # A failed trace changes nothing, not even the lock mode.
             locking.undo_runtime(lock)
         raise
-    for lock in ordered:
-        lock.graph_uses += 1
-    return result
 
 
 def _traced_section(

@@ -41,6 +41,7 @@ import wrapt
 from safevars._tf_internal import (
     ds_values,
     object_identity,
+    opaque_trace_type,
     ops,
     resource_variable_ops,
     tensor_conversion_registry,
@@ -58,12 +59,12 @@ _GUARDS: dict[int, Guard] = {}
 _GUARDS_LOCK = threading.Lock()
 
 
-def _guard_for(variable: tf.Variable, version: int = 0) -> Guard:
+def _guard_for(variable: tf.Variable, version: int = 0, lock: Any = None) -> Guard:
     key = id(variable)
     with _GUARDS_LOCK:
         guard = _GUARDS.get(key)
         if guard is None:
-            guard = Guard(variable, version)
+            guard = Guard(variable, version, lock)
             _GUARDS[key] = guard
             weakref.finalize(variable, _GUARDS.pop, key, None)
         return guard
@@ -107,15 +108,17 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         self._self_init(variable, 0)
 
     @classmethod
-    def _from_variable(cls, variable: tf.Variable, version: int = 0) -> SafeVariable:
+    def _from_variable(
+        cls, variable: tf.Variable, version: int = 0, lock: Any = None
+    ) -> SafeVariable:
         proxy = cls.__new__(cls)
         wrapt.ObjectProxy.__init__(proxy, variable)
-        proxy._self_init(variable, version)
+        proxy._self_init(variable, version, lock)
         return proxy
 
-    def _self_init(self, variable: tf.Variable, version: int) -> None:
+    def _self_init(self, variable: tf.Variable, version: int, lock: Any = None) -> None:
         # Cached: every write reads them, and the wrapped variable's never change.
-        self._self_guard = _guard_for(variable, version)
+        self._self_guard = _guard_for(variable, version, lock)
         self._self_static_shape = _static_shape(variable)
         self._self_dtype = variable.dtype
         # Writes inside strategy.run are merged across replicas first, except for a
@@ -145,6 +148,18 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         return object_identity.Reference(self)
 
     experimental_ref = ref
+
+    def __tf_tracing_type__(self, context: Any) -> Any:
+        """Passed to a ``tf.function``, a SafeVariable is the object itself inside.
+
+        TensorFlow turns a variable argument into a plain variable over a placeholder of
+        its handle; that variable would have no lock and no version. A SafeVariable is
+        instead traced as the object it is (the way a ``tf.function`` treats an argument
+        it cannot convert, and the way a variable captured by closure is seen), so
+        writes through the argument are locked and counted. A function called with
+        another SafeVariable is traced again for it.
+        """
+        return opaque_trace_type(self)
 
     def __repr__(self) -> str:
         inner = repr(self.__wrapped__)

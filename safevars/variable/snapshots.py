@@ -22,6 +22,8 @@ numbers; such snapshots serialize with each other.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,6 +117,59 @@ def _reader(variable: Any) -> Any:
     return lambda: tfi.read_eagerly(wrapped, handle, dtype)
 
 
+# Snapshots of at least this many variables whose locks are all in run-time mode read
+# every value and version in one call of a traced function (a section of its own),
+# instead of taking the locks eagerly and reading each value and version apart.
+_BATCH_FROM = 8
+
+# First guard -> {ids of the guards: (weak references to them, their locks, the read)}.
+# The traced read holds the handles of the variables and versions, never the guards, so
+# an entry goes with its first guard.
+_BATCHED: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+_BATCHED_LOCK = threading.Lock()
+
+
+def _batched_read(variables: Sequence[Any], guards: list[Any]) -> Any:
+    """A function reading ``variables``' values and versions in one traced section.
+
+    Made once per list of guards (and again if one of them moved to another lock or got
+    a joint counter); each version is its own count plus its joint counter's, read once
+    per counter.
+    """
+    key = tuple(map(id, guards))
+    state = tuple((g.lock, g.joint) for g in guards)
+    with _BATCHED_LOCK:
+        entry = _BATCHED.get(guards[0], {}).get(key)
+    if entry is not None:
+        refs, traced_state, cached = entry
+        if traced_state == state and all(r() is g for r, g in zip(refs, guards)):
+            return cached
+    wrapped = [v.__wrapped__ for v in variables]
+    counters = list({id(g.joint): g.joint for g in guards if g.joint is not None}.values())
+    which = [0 if g.joint is None else 1 + counters.index(g.joint) for g in guards]
+
+    def section() -> tuple[list[tf.Tensor], tf.Tensor]:
+        def body() -> tuple[list[tf.Tensor], tf.Tensor]:
+            values = [tfi.read_value_op(w) for w in wrapped]
+            own = [tfi.read_value_op(g.version_var) for g in guards]
+            shared = [tfi.read_value_op(c.variable) for c in counters]
+            return values, tf.stack([tf.constant(0, tf.int64), *shared, *own])
+
+        return graph_section(guards, body)
+
+    function = tf.function(section, autograph=False).get_concrete_function()
+    first = len(counters) + 1
+
+    def read() -> tuple[list[tf.Tensor], list[int]]:
+        values, counts = function()
+        numbers = counts.numpy()
+        return values, (numbers[first:] + numbers[which]).tolist()
+
+    with _BATCHED_LOCK:
+        _BATCHED.setdefault(guards[0], {})[key] = (tuple(map(weakref.ref, guards)), state, read)
+    return read
+
+
 def take_snapshots(
     variables: Sequence[Any], timeout: float | None = None, guards: list[Any] | None = None
 ) -> list[Snapshot]:
@@ -122,6 +177,16 @@ def take_snapshots(
     if guards is None:
         guards = guards_of(variables, "variables")
     names = [g.name for g in guards]
+    if (
+        len(guards) >= _BATCH_FROM
+        and timeout is None
+        and tf.executing_eagerly()
+        and all(g.lock.runtime for g in guards)
+    ):
+        me = _current_thread()
+        if not any(g.lock.holder() is me for g in guards):  # (its own: the eager path)
+            values, versions = _batched_read(variables, guards)()
+            return [Snapshot(*t) for t in zip(values, versions, names)]
     if not tf.executing_eagerly():
         wrapped = [v.__wrapped__ for v in variables]
 

@@ -108,6 +108,11 @@ def wrap(variable: tf.Variable | Any) -> SafeVariable:
     Thread safety: writes made through the original object (not the returned proxy) are
     neither locked nor counted.
     """
+    if type(variable) is SafeVariable:
+        return variable
+    backing = getattr(variable, "_value", None)  # a keras.Variable made in safevars.scope()
+    if type(backing) is SafeVariable:
+        return backing
     if isinstance(variable, SafeVariable):
         return variable
     backing = _backing(variable)

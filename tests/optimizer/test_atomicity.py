@@ -148,13 +148,14 @@ class TestOneLockPerStep:
         opt.apply_gradients(zip(grads, model.trainable_variables))
         assert opt.held == [1] * 60
 
-    def test_variables_locked_by_a_traced_graph_keep_their_own_locks(self):
-        # share_lock leaves a lock a traced graph uses alone: still correct, more mutexes.
+    def test_variables_join_the_one_lock_a_traced_graph_uses(self):
+        # share_lock moves the others to the lock a traced graph uses (its graphs keep
+        # taking that mutex): one lock for a, b and the optimizer's state.
         a, b = SafeVariable(INIT), SafeVariable(INIT)
         tf.function(lambda: a.assign_add(INIT), autograph=False)()
         opt = SafeOptimizer(keras.optimizers.SGD(0.1))
         opt.apply_gradients([(GRADS[0], a), (GRADS[0], b)])
-        assert a.statistics().shared_by == 1
+        assert a.statistics().shared_by == b.statistics().shared_by == 3
         run_threads(
             4, lambda i: [opt.apply_gradients([(GRADS[1], a), (GRADS[1], b)]) for _ in range(10)]
         )

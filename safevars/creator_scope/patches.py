@@ -1,0 +1,88 @@
+"""Installing this package's patches of TensorFlow's and Keras' classes (idempotent).
+
+Installed when :mod:`safevars` is imported (as :mod:`safevars.sections` patches compiled
+calls), and again by :func:`safevars.scope` (for Keras imported afterwards). Each patch
+changes nothing for variables that are not SafeVariables, and a patched method is never
+patched twice (it carries ``_safevars``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from safevars.creator_scope import keras_variables, optimizer_steps, train_steps
+from safevars.creator_scope.creators import reenter_after_reset
+from safevars.creator_scope.keras_classes import keras_classes
+from safevars.creator_scope.slots import add_variable_from_reference
+from safevars.creator_scope.strategy_updates import update_under_lock
+
+__all__ = ["install"]
+
+_INSTALL_LOCK = threading.Lock()
+_KERAS_DONE: list[bool] = []
+
+
+def _patch(
+    owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    current = getattr(owner, name)  # may be inherited: the patch then overrides it on owner
+    if not getattr(current, "_safevars", False):
+        setattr(owner, name, make(current))
+
+
+def _surviving_reset(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``tf.compat.v1.reset_default_graph`` (``keras.backend.clear_session()``):
+    the :func:`safevars.scope` blocks open in this thread stay open on the new graph."""
+
+    def reset_default_graph() -> Any:
+        result = original()
+        reenter_after_reset()
+        return result
+
+    reset_default_graph.__wrapped__ = original  # type: ignore[attr-defined]
+    reset_default_graph._safevars = True  # type: ignore[attr-defined]
+    return reset_default_graph
+
+
+def _without_reading(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    return optimizer_steps.write_without_reading(original, method)
+
+
+def install() -> None:
+    """Installs the patches (idempotent); without Keras, only TensorFlow's."""
+    with _INSTALL_LOCK:
+        _patch(tf.distribute.StrategyExtended, "update", update_under_lock)
+        _patch(tf.compat.v1, "reset_default_graph", _surviving_reset)
+        if _KERAS_DONE:
+            return
+        keras = keras_classes()
+        if keras is None:  # pragma: no cover - Keras is not installed
+            return
+        _patch(keras.optimizer_class, "add_variable_from_reference", add_variable_from_reference)
+        _patch(keras.optimizer_class, "apply", optimizer_steps.plain_apply)
+        _patch(
+            keras.optimizer_class, "_distributed_tf_update_step", optimizer_steps.plain_update_step
+        )
+        for method in ("assign", "assign_add", "assign_sub"):
+            _patch(keras.optimizer_class, method, functools.partial(_without_reading, method))
+        _patch(keras.trainer_class, "make_train_function", train_steps.make_train_function)
+        _patch(
+            keras.variable_class,
+            "assign_add",
+            lambda original: keras_variables.read_modify_write(original, "add"),
+        )
+        _patch(
+            keras.variable_class,
+            "assign_sub",
+            lambda original: keras_variables.read_modify_write(original, "subtract"),
+        )
+        _patch(keras.variable_class, "_trackable_children", keras_variables.checkpoint_children)
+        _KERAS_DONE.append(True)
+
+
+install()
