@@ -496,13 +496,19 @@ def test_one_mutex_per_graph_section_over_variables_sharing_a_lock():
     assert [float(v.numpy()) for v in vs] == [100.0 + i for i in range(12)]
 
 
-def test_share_lock_refuses_what_a_traced_graph_already_uses():
+def test_share_lock_joins_the_lock_a_traced_graph_uses_and_refuses_two_or_held():
     from safevars.locking import share_lock
 
-    a, b = SafeVariable(0.0), SafeVariable(0.0)
+    a, b, c = SafeVariable(0.0), SafeVariable(0.0), SafeVariable(0.0)
     tf.function(lambda: a.assign_add(1.0), autograph=False)()
-    lock_a, lock_b = a.guard.lock, b.guard.lock
-    assert not share_lock([a.guard, b.guard])
-    assert (a.guard.lock, b.guard.lock) == (lock_a, lock_b)
-    with safevars.locked(b):
-        assert not share_lock([b.guard, SafeVariable(0.0).guard])  # held: refused
+    lock_a, lock_c = a.guard.lock, c.guard.lock
+    # b joins the lock a traced graph takes (its graphs keep taking that mutex).
+    assert share_lock([b.guard, a.guard])
+    assert b.guard.lock is lock_a and lock_a.order < lock_c.order
+    tf.function(lambda: c.assign_add(1.0), autograph=False)()
+    assert not share_lock([a.guard, c.guard])  # two locks that graphs use: refused
+    assert (a.guard.lock, c.guard.lock) == (lock_a, lock_c)
+    with safevars.locked(c):
+        assert not share_lock([c.guard, SafeVariable(0.0).guard])  # held: refused
+    tf.function(lambda: b.assign_add(2.0), autograph=False)()  # under a's mutex now
+    assert float(b.numpy()) == 2.0 and b.version == 1
