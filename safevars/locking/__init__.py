@@ -1,10 +1,11 @@
 """Locks, versions and the global lock order: how a critical section is entered eagerly.
 
 Every :class:`~safevars.SafeVariable` owns one :class:`Guard` (its version) and points at
-one :class:`SectionLock` (its lock). Usually each variable has a lock of its own;
-:func:`share_lock` lets variables that are always updated together (a model's weights
-and its optimizer's state) share one, each keeping its own version, so a step over them
-takes one lock instead of one per variable. Graph sections (``tf.function``) are in
+one :class:`SectionLock` (its lock). A variable made alone has a lock of its own; the
+variables of one :func:`safevars.scope` block share one, and :func:`share_lock` lets
+variables that are always updated together (a model's weights and its optimizer's
+state) share one, each keeping its own version, so a step over them takes one lock
+instead of one per variable. Graph sections (``tf.function``) are in
 :mod:`safevars.sections`; this module is the eager half and the bookkeeping both share.
 
 Two lock levels, one order:
@@ -17,9 +18,12 @@ Two lock levels, one order:
 * **Run-time level.** A ``tf.CriticalSection``'s mutex, placed on the variables' device,
   created the first time one of the lock's variables is written, versioned or
   snapshotted inside a ``tf.function``; from then on the lock is in *run-time mode*:
-  graph sections take the mutex with a ``MutexLock`` op, eager sections take it too (so
-  eager threads and running graphs exclude each other), and versions live in int64
-  resource variables next to the values.
+  versions live in int64 resource variables next to the values, and graph sections take
+  the mutex with a ``MutexLock`` op. Once a graph does (a ``tf.function`` that is not
+  XLA-compiled), eager sections take it too, so eager threads and running graphs exclude
+  each other; while only XLA-compiled functions use the lock, their eager callers hold
+  the Python lock around each call and none takes the mutex
+  (:mod:`~safevars.locking.runtime_mode`).
 
 Locks are ordered by creation (:attr:`SectionLock.order`). Sections that name several
 locks take them in that order, which rules out deadlock. A thread that holds some locks

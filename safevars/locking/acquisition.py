@@ -37,7 +37,7 @@ _POLL = 0.25  # Seconds between dead-holder checks while waiting for a lock.
 
 
 def _check_coordinator(lock: SectionLock) -> None:
-    if lock.runtime and on_parameter_server(lock.device):
+    if lock.mutexed and on_parameter_server(lock.device):
         # An eager MutexLock from the coordinator on a parameter server's mutex,
         # while scheduled steps take it too, was measured to hang: refuse instead.
         raise UnsupportedStrategyError(
@@ -62,7 +62,7 @@ def enter(lock: SectionLock, me: threading.Thread, timeout: float | None) -> Non
         lock.seq += 1
         lock._since = time.monotonic()
         lock._where = _caller_location()
-        if lock.runtime:
+        if lock.mutexed:
             lock._token = _mutex_lock(lock, timeout)
     except BaseException:
         if slot and slot[0] is me:  # Taken in this call: give it back, no calls first.

@@ -58,7 +58,7 @@ def guards_in(objects: Iterable[Any]) -> list[Guard]:
                 found[id(guard)] = guard
                 break
     return [
-        g for g in found.values() if not (g.lock.runtime and on_parameter_server(g.lock.device))
+        g for g in found.values() if not (g.lock.mutexed and on_parameter_server(g.lock.device))
     ]
 
 

@@ -228,7 +228,7 @@ class Guard:
     def version(self) -> int | tf.Tensor:
         """The version: an ``int`` eagerly, an int64 tensor while tracing a graph."""
         if not tf.executing_eagerly():
-            ensure_runtime(self.lock, self.owned())
+            ensure_runtime(self.lock, self.owned(), mutexed=False)
             self.lock.graph_uses += 1
             return self.graph_version()
         if self.lock.runtime:
@@ -300,6 +300,7 @@ class Guard:
             shared_by=len(_guards_of_lock(lock)) or 1,
             takeovers=lock.takeovers,
             duplicates_discarded=_duplicates_of(self),
+            eager_mutex=lock.mutexed,
         )
 
 

@@ -47,6 +47,7 @@ class SectionLock:
         "_since",
         "_where",
         "runtime",
+        "mutexed",
         "cs",
         "gate",
         "graph_uses",
@@ -67,6 +68,7 @@ class SectionLock:
         self._since = 0.0
         self._where = ""
         self.runtime = False
+        self.mutexed = False  # Eager sections take the mutex too (see runtime_mode.py).
         self.cs: Any = None
         self.gate: Any = None  # Run-time mode: the variable whose read opens a section.
         self.graph_uses = 0
@@ -95,7 +97,7 @@ class SectionLock:
             held_for=max(0.0, now - self._since),
             where=self._where,
             depth=self._depth,
-            runtime_mode=self.runtime,
+            runtime_mode=self.mutexed,
         )
 
 

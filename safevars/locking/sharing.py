@@ -57,6 +57,7 @@ def share_lock(guards: Sequence[Guard]) -> bool:
         if any(lock.graph_uses for lock in locks if lock is not target):
             return False
         runtime = any(lock.runtime for lock in locks)
+        mutexed = any(lock.mutexed for lock in locks)
         for guard in guards:
             old = guard.lock
             if old is target:
@@ -67,8 +68,8 @@ def share_lock(guards: Sequence[Guard]) -> bool:
             if old_set is not None:
                 old_set.discard(guard)
             target.names.append(guard.name)
-    if runtime and not target.runtime:
-        ensure_runtime(target, False)
+    if (runtime and not target.runtime) or (mutexed and not target.mutexed):
+        ensure_runtime(target, False, mutexed)
     for lock in locks:
         if lock is not target and not _guards_of_lock(lock):
             drop_runtime(lock)

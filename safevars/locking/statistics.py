@@ -24,8 +24,9 @@ class LockStatistics(NamedTuple):
       locked: Whether some thread holds the eager lock right now.
       owner: ``threading.get_ident()`` of that thread, or ``None``.
       depth: How many times the holder has entered (re-entrant depth).
-      runtime_mode: Whether the lock is also a ``tf.CriticalSection`` mutex (set once a
-        variable under it was written, versioned or snapshotted in a ``tf.function``).
+      runtime_mode: Whether the lock is also a ``tf.CriticalSection`` mutex and its
+        variables keep their versions in variables (set once a variable under it was
+        written, versioned or snapshotted in a ``tf.function``).
       writes: Completed writes recorded eagerly since construction or restore.
       thread_name: Name of the holding thread, or ``None``.
       held_for: Seconds since the holder took the lock, or ``None``.
@@ -35,6 +36,9 @@ class LockStatistics(NamedTuple):
         while holding it.
       duplicates_discarded: Retried parameter-server steps whose update to this variable
         was recognised as already applied and skipped (:mod:`safevars.exactly_once`).
+      eager_mutex: Whether eager sections take that mutex too: once a graph that is not
+        XLA-compiled took it (a lock used only by XLA-compiled functions called eagerly
+        needs the Python lock alone; :mod:`safevars.locking.runtime_mode`).
     """
 
     order: int
@@ -49,6 +53,7 @@ class LockStatistics(NamedTuple):
     shared_by: int = 1
     takeovers: int = 0
     duplicates_discarded: int = 0
+    eager_mutex: bool = False
 
 
 class HeldLock(NamedTuple):

@@ -80,8 +80,12 @@ def lock_section(
     an XLA context while the call op is built.
     """
     me = locking._current_thread()
+    # Inside an XLA-compiled function no mutex op is traced: the caller holds the locks.
+    mutexed = compiled_call or not tfi.in_xla_context(tfi.default_graph())
     switched = [
-        lock for lock in ordered if locking.ensure_runtime(lock, locking._holding(lock, me))
+        lock
+        for lock in ordered
+        if locking.ensure_runtime(lock, locking._holding(lock, me), mutexed)
     ]
     # Counted as used while the body is traced, not only after: share_lock must not move
     # a variable off a lock the graph being traced takes (a SafeOptimizer built inside a

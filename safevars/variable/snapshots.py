@@ -181,7 +181,7 @@ def take_snapshots(
         len(guards) >= _BATCH_FROM
         and timeout is None
         and tf.executing_eagerly()
-        and all(g.lock.runtime for g in guards)
+        and all(g.lock.mutexed for g in guards)
     ):
         me = _current_thread()
         if not any(g.lock.holder() is me for g in guards):  # (its own: the eager path)
@@ -198,15 +198,15 @@ def take_snapshots(
 
     readers = [_reader(v) for v in variables]
     locks = sorted_locks(guards)
-    if not any(lock.runtime or lock.contended for lock in locks):
+    if not any(lock.mutexed or lock.contended for lock in locks):
         me = _current_thread()
         before = [lock.seq for lock in locks]
         # A section the calling thread holds itself is no obstacle: its reads see its
         # own writes, and nobody else can write meanwhile.
         if not any(s & 1 and lock.holder() is not me for lock, s in zip(locks, before)):
             values = [read() for read in readers]
-            versions = [g._version for g in guards]
-            if [lock.seq for lock in locks] == before and not any(lock.runtime for lock in locks):
+            versions = [g.version() if g.lock.runtime else g._version for g in guards]
+            if [lock.seq for lock in locks] == before and not any(lock.mutexed for lock in locks):
                 return [Snapshot(*t) for t in zip(values, versions, names)]
         for lock in locks:  # The next few snapshots of these go straight to the lock.
             lock.contended = _SKIP_OPTIMISTIC
