@@ -15,9 +15,14 @@ of safevars may still work, but the private symbols below are where a release br
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import itertools
+import operator
+import sys
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -94,6 +99,27 @@ def check_versions(tensorflow_version: str | None = None, keras_version: str | N
 check_versions()
 
 
+def _call_each_by_partial(steps: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
+    """``call_each`` for Python 3.10, which has no ``operator.call``: ``partial(fn, *args)``
+    made by ``starmap``, then called by ``methodcaller('__call__')``; C objects only."""
+    return map(_CALL, itertools.starmap(functools.partial, steps))
+
+
+_CALL = operator.methodcaller("__call__")
+
+call_each: Callable[[Iterable[tuple[Any, ...]]], Iterator[Any]]
+"""``call_each(steps)``: a lazy iterator calling ``fn(*args)`` for each ``(fn, *args)``
+of ``steps``, in order. Made of C objects only (no Python frame), so consuming it with a
+C consumer (``collections.deque(maxlen=0).extend``) runs the calls as one chain of C
+calls: a signal handler (``KeyboardInterrupt``) runs before the first or after the last,
+never between two (:meth:`safevars.locking.guard.Guard.write_counted` relies on it).
+``starmap(operator.call, steps)`` on Python 3.11+, ``_call_each_by_partial`` on 3.10."""
+if sys.version_info >= (3, 11):
+    call_each = functools.partial(itertools.starmap, operator.call)
+else:  # pragma: no cover - depends on the Python version
+    call_each = _call_each_by_partial
+
+
 def keras_internal(module: str) -> ModuleType:
     """``keras.src.<module>``, imported on first use (importing Keras is slow)."""
     return importlib.import_module(f"keras.src.{module}")
@@ -127,6 +153,7 @@ __all__ = [
     "ResourceVariable",
     "autograph_config",
     "autograph_source_map",
+    "call_each",
     "captured_placeholder",
     "check_versions",
     "checkpoint_entry_points",

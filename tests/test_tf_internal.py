@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import ast
+import collections
+import ctypes
+import itertools
+import operator
 import pathlib
 import re
+import signal
+import sys
 import warnings
 
 import pytest
@@ -73,3 +79,80 @@ def test_installed_versions_are_the_declared_range():
     ]:
         assert f'"{name}>={major}.{minor},<{major}.{minor + 1}"' in pyproject
     assert _tf_internal.check_versions() == ""
+
+
+# ----------------------------------------------------------- call_each (Python 3.10)
+
+CALL_EACH = {"chosen": _tf_internal.call_each, "by_partial": _tf_internal._call_each_by_partial}
+_consume = collections.deque(maxlen=0).extend
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Box:
+    a = b = value = 0
+
+
+def test_call_each_is_operator_call_where_python_has_it():
+    if sys.version_info >= (3, 11):
+        assert _tf_internal.call_each.args == (operator.call,)
+    else:
+        assert _tf_internal.call_each is _tf_internal._call_each_by_partial
+
+
+@pytest.mark.parametrize("name", sorted(CALL_EACH))
+def test_call_each_calls_in_order(name):
+    log: list[object] = []
+    box = _Box()
+    _consume(
+        CALL_EACH[name](
+            [(log.append, 1), (setattr, box, "value", 2), (log.extend, (3, 4)), (log.append, 5)]
+        )
+    )
+    assert log == [1, 3, 4, 5]
+    assert box.value == 2
+    assert list(CALL_EACH[name]([(divmod, 7, 2), (max, 1, 9, 3)])) == [(3, 1), 9]
+
+
+def _chain_under_interrupt(make_iterator):
+    """Runs [raise SIGUSR1, write a, write b] through ``make_iterator`` and a C consumer;
+    the handler raises. Returns (a, b) as the interrupt left them."""
+    raise_signal_in_c = getattr(ctypes.CDLL(None), "raise")  # libc raise(): no check point
+    box = _Box()
+
+    def handler(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with pytest.raises(_Interrupted):
+            _consume(
+                make_iterator(
+                    [
+                        (raise_signal_in_c, signal.SIGUSR1),
+                        (setattr, box, "a", 1),
+                        (setattr, box, "b", 1),
+                    ]
+                )
+            )
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    return box.a, box.b
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
+@pytest.mark.parametrize("name", sorted(CALL_EACH))
+def test_call_each_has_no_check_point_between_calls(name):
+    """An interrupt raised by the first call lands after the last (Guard.write_counted:
+    the write and its version count happen both or neither)."""
+    assert _chain_under_interrupt(CALL_EACH[name]) == (1, 1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
+def test_the_interrupt_check_can_fail():
+    """The same chain through a Python function lands the interrupt between the calls."""
+    assert _chain_under_interrupt(
+        lambda steps: itertools.starmap(lambda fn, *args: fn(*args), steps)
+    ) == (0, 0)
