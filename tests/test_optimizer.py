@@ -42,6 +42,10 @@ def _unique_collective_keys(monkeypatch):
 
 
 RNG = np.random.default_rng(1234)
+NEEDS_MULTI_OPTIMIZER = pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason=f"keras.optimizers.MultiOptimizer is new in Keras 3.15 (found {keras.__version__})",
+)
 INIT = RNG.normal(size=(4, 3)).astype("float32")
 GRADS = [RNG.normal(size=(4, 3)).astype("float32") for _ in range(6)]
 
@@ -264,6 +268,7 @@ class TestItIsTheOptimizer:
         np.testing.assert_array_equal(safe, run(make_safe=False))
         np.testing.assert_allclose(safe, INIT - 0.1 * sum(GRADS[:3]), atol=1e-5)
 
+    @NEEDS_MULTI_OPTIMIZER
     def test_multi_optimizer_sets_the_loss_scale_factor_of_safe_sub_optimizers(self):
         def run(make_safe):
             a, b = keras.Variable(INIT, name="a"), keras.Variable(INIT, name="b")
@@ -868,6 +873,7 @@ class TestSafeOptimizersInsideOthers:
         assert wrap(v).version == 4  # once per call, not once per safe optimizer
         assert outer.statistics().calls == inner.statistics().calls == 4
 
+    @NEEDS_MULTI_OPTIMIZER
     def test_multi_optimizer_of_safe_optimizers_made_safe_under_threads(self):
         a, b = keras.Variable(tf.zeros([3]), name="a"), keras.Variable(tf.zeros([3]), name="b")
         first, second = (SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)) for _ in range(2))
