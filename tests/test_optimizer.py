@@ -303,7 +303,11 @@ class TestItIsTheOptimizer:
         assert safe.optimizer._should_use_adamw(kernel) == plain.optimizer._should_use_adamw(
             plain.trainable_variables[0]
         )
-        fit(plain), fit(safe)
+        try:
+            fit(plain)
+        except AttributeError as error:  # Keras before 3.13: Muon reads variable.path
+            pytest.skip(f"plain Keras {keras.__version__}'s Muon cannot fit here: {error}")
+        fit(safe)
         assert_same_training(plain, safe)
 
     def test_keras_warning_and_error_for_missing_gradients(self, mode):
