@@ -15,10 +15,20 @@ import warnings
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 import safevars
 from safevars import _tf_internal
 
-PACKAGE = pathlib.Path(safevars.__file__).parent
+PACKAGE = pathlib.Path(safevars.__file__).parent  # installed or the source tree
+PYPROJECT = next(  # the checkout's, also when the tests run against an installed wheel
+    d / "pyproject.toml"
+    for d in pathlib.Path(__file__).resolve().parents
+    if (d / "pyproject.toml").exists()
+)
 PRIVATE = re.compile(r"^(tensorflow\.python|keras\.src)(\.|$)")
 
 
@@ -50,35 +60,51 @@ def test_only_the_door_reaches_private_apis():
 def test_tested_versions_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _tf_internal.check_versions("2.21.0", "3.15.1") == ""
-        assert _tf_internal.check_versions("2.21.3rc1", "3.15.0") == ""
+        for tensorflow, keras in [
+            ("2.21.0", "3.15.1"),
+            ("2.21.3rc1", "3.15.0"),
+            ("2.16.1", "3.12.0"),
+            ("2.18.0", "3.13.2"),
+        ]:
+            assert _tf_internal.check_versions(tensorflow, keras) == ""
 
 
 @pytest.mark.parametrize(
     ("tensorflow", "keras", "named"),
     [
-        ("2.20.0", "3.15.1", ["TensorFlow 2.20.0"]),
+        ("2.15.1", "3.15.1", ["TensorFlow 2.15.1"]),
+        ("2.22.0rc0", "3.15.1", ["TensorFlow 2.22.0rc0"]),
         ("2.21.0", "3.16.0", ["Keras 3.16.0"]),
-        ("2.22.0rc0", "3.9.2", ["TensorFlow 2.22.0rc0", "Keras 3.9.2"]),
+        ("2.16.2", "3.11.3", ["Keras 3.11.3"]),
+        ("2.22.0rc0", "2.15.0", ["TensorFlow 2.22.0rc0", "Keras 2.15.0"]),
     ],
 )
 def test_untested_versions_warn_naming_them(tensorflow, keras, named):
-    with pytest.warns(RuntimeWarning, match="tested with TensorFlow 2.21.x and Keras 3.15.x"):
+    with pytest.warns(
+        RuntimeWarning, match="tested with TensorFlow 2.16-2.21 and Keras 3.12-3.15"
+    ):
         text = _tf_internal.check_versions(tensorflow, keras)
     for name in named:
         assert name in text
-    assert "pip install" in text
+    assert "pip install 'tensorflow>=2.16,<2.22' 'keras>=3.12,<3.16'" in text
 
 
 def test_installed_versions_are_the_declared_range():
     """pyproject.toml declares what the suite runs against; this run is one of them."""
-    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
-    for name, (major, minor) in [
+    pyproject = tomllib.loads(PYPROJECT.read_text())["project"]
+    for name, tested in [
         ("tensorflow", _tf_internal.TESTED_TENSORFLOW),
         ("keras", _tf_internal.TESTED_KERAS),
     ]:
-        assert f'"{name}>={major}.{minor},<{major}.{minor + 1}"' in pyproject
+        assert _tf_internal._pip_range(name, tested) in pyproject["dependencies"]
+    (major, oldest), (_, newest) = _tf_internal.TESTED_PYTHON
+    assert pyproject["requires-python"] == f">={major}.{oldest},<{major}.{newest + 1}"
+    classifiers = pyproject["classifiers"]
+    assert [c for c in classifiers if c.startswith("Programming Language :: Python :: 3.")] == [
+        f"Programming Language :: Python :: {major}.{minor}" for minor in range(oldest, newest + 1)
+    ]
     assert _tf_internal.check_versions() == ""
+    assert _tf_internal.TESTED_PYTHON[0] <= sys.version_info[:2] <= _tf_internal.TESTED_PYTHON[1]
 
 
 # ----------------------------------------------------------- call_each (Python 3.10)
