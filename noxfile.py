@@ -80,17 +80,23 @@ def _cell(
     def cell(session: nox.Session) -> None:
         wheel = _built_wheel(session)
         session.install(f"{wheel}[test]", f"tensorflow=={tensorflow}.*", f"keras=={keras}.*")
-        # The tests must import the wheel, not the checkout: run pytest's script (its
-        # sys.path has no checkout; `python -m pytest` would put the checkout first).
-        session.run(
-            "python",
-            "-c",
-            "import safevars, sys, tensorflow, keras;"
-            "print('safevars', safevars.__file__, '| Python', sys.version.split()[0],"
-            " '| TensorFlow', tensorflow.__version__, '| Keras', keras.__version__)",
-            env={"TF_CPP_MIN_LOG_LEVEL": "2"},
-        )
+        # The tests must import the wheel, not the checkout. Checked from a directory
+        # outside the checkout (`python -c` puts the current directory first on
+        # sys.path); pytest's own script puts no checkout directory there (tests/ and
+        # tests/conformance/ only, for their helper modules), so it imports the same.
+        with session.chdir(session.create_tmp()):
+            session.run("python", "-c", _CHECK_INSTALLED, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
         session.run("pytest", "-q", "-p", "no:cacheprovider", *tests, *session.posargs)
+
+
+_CHECK_INSTALLED = """
+import pathlib, sys, sysconfig
+import keras, safevars, tensorflow
+where = pathlib.Path(safevars.__file__).resolve()
+print("safevars", where, "| Python", sys.version.split()[0], "| TensorFlow",
+      tensorflow.__version__, "| Keras", keras.__version__)
+assert where.is_relative_to(pathlib.Path(sysconfig.get_paths()["purelib"]).resolve()), where
+"""
 
 
 def _interpreter(version: str) -> str:
