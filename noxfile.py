@@ -30,6 +30,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import tempfile
 import zipfile
 
 import nox
@@ -84,7 +85,8 @@ def _cell(
         # outside the checkout (`python -c` puts the current directory first on
         # sys.path); pytest's own script puts no checkout directory there (tests/ and
         # tests/conformance/ only, for their helper modules), so it imports the same.
-        with session.chdir(session.create_tmp()):
+        # (Not session.create_tmp(): it points TMPDIR into the checkout for the tests.)
+        with tempfile.TemporaryDirectory() as outside, session.chdir(outside):
             session.run("python", "-c", _CHECK_INSTALLED, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
         session.run("pytest", "-q", "-p", "no:cacheprovider", *tests, *session.posargs)
 
