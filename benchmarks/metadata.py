@@ -51,10 +51,10 @@ def collect(
     repo: Path = REPO_ROOT,
 ) -> dict[str, Any]:
     """The ``metadata`` object of ``results.json`` (see :mod:`benchmarks.schema`)."""
-    now = now or datetime.datetime.now(datetime.UTC)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
     commit, dirty = git_state(repo)
     return {
-        "date_utc": now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "mode": "quick" if quick else "full",
         "device": {
             "kind": choice.kind,

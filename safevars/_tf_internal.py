@@ -8,17 +8,27 @@ symbol (``tensorflow.python.*``, ``keras.src.*``) through this module only, so t
 release that moves one breaks here, at import, with the name of what moved.
 
 At import it compares the installed TensorFlow and Keras with the versions the test
-suite runs against (:data:`TESTED_TENSORFLOW`, :data:`TESTED_KERAS`, the same range
-``pyproject.toml`` declares) and warns once, naming both, if they differ: the public API
-of safevars may still work, but the private symbols below are where a release breaks it.
+suite runs against (:data:`TESTED_TENSORFLOW`, :data:`TESTED_KERAS`, the same ranges
+``pyproject.toml`` declares) and warns once, naming both, if one is outside: the public
+API of safevars may still work, but the private symbols below are where a release breaks
+it.
+
+What differs between the supported Python, TensorFlow and Keras versions is settled here
+too, each with its test in ``tests/test_tf_internal.py``: no other module of safevars
+looks at a version.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import itertools
+import operator
+import sys
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -47,9 +57,15 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable, variable_accessed
 from tensorflow.python.util import nest, object_identity
 
-# The versions the test suite runs against (major, minor); pyproject.toml declares them.
-TESTED_TENSORFLOW = (2, 21)
-TESTED_KERAS = (3, 15)
+# The versions the test suite runs against, (major, minor), oldest and newest, both
+# included: the same ranges as pyproject.toml's dependencies and requires-python
+# (tests/test_tf_internal.py checks both). noxfile.py runs every TensorFlow minor of
+# the range with the newest Keras, and the oldest Keras with the oldest TensorFlow.
+# Keras 3.12 is the oldest: up to 3.11, LossScaleOptimizer.build does not call
+# Optimizer.build, so a SafeOptimizer of (or around) one knows none of its variables.
+TESTED_TENSORFLOW = ((2, 16), (2, 21))
+TESTED_KERAS = ((3, 12), (3, 15))
+TESTED_PYTHON = ((3, 10), (3, 13))
 
 
 def _minor(version: str) -> tuple[int, ...]:
@@ -67,6 +83,16 @@ def _installed_keras() -> str:
         return "not installed"
 
 
+def _range_text(tested: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    (major, oldest), (_, newest) = tested
+    return f"{major}.{oldest}-{major}.{newest}"
+
+
+def _pip_range(name: str, tested: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    (major, oldest), (_, newest) = tested
+    return f"{name}>={major}.{oldest},<{major}.{newest + 1}"
+
+
 def check_versions(tensorflow_version: str | None = None, keras_version: str | None = None) -> str:
     """Warns (once per call) if TensorFlow or Keras is not a tested version.
 
@@ -75,25 +101,47 @@ def check_versions(tensorflow_version: str | None = None, keras_version: str | N
     tensorflow_version = tensorflow_version or tf.__version__
     keras_version = keras_version or _installed_keras()
     untested = []
-    if _minor(tensorflow_version) != TESTED_TENSORFLOW:
+    if not TESTED_TENSORFLOW[0] <= _minor(tensorflow_version) <= TESTED_TENSORFLOW[1]:
         untested.append(f"TensorFlow {tensorflow_version}")
-    if _minor(keras_version) != TESTED_KERAS:
+    if not TESTED_KERAS[0] <= _minor(keras_version) <= TESTED_KERAS[1]:
         untested.append(f"Keras {keras_version}")
     if not untested:
         return ""
     text = (
-        f"safevars is tested with TensorFlow {'.'.join(map(str, TESTED_TENSORFLOW))}.x and "
-        f"Keras {'.'.join(map(str, TESTED_KERAS))}.x; found {' and '.join(untested)}. It "
-        "reaches private TensorFlow/Keras APIs (locking kernels, distributed variables, "
-        "the checkpoint and Keras savers, AutoGraph's conversion rules) that may have "
-        "moved: expect import errors or wrong behaviour there. Install the tested versions "
-        "(pip install 'tensorflow==2.21.*') or run safevars' test suite on yours."
+        f"safevars is tested with TensorFlow {_range_text(TESTED_TENSORFLOW)} and Keras "
+        f"{_range_text(TESTED_KERAS)}; found {' and '.join(untested)}. It reaches private "
+        "TensorFlow/Keras APIs (locking kernels, distributed variables, the checkpoint and "
+        "Keras savers, AutoGraph's conversion rules) that may have moved: expect import "
+        "errors or wrong behaviour there. Install tested versions (pip install "
+        f"'{_pip_range('tensorflow', TESTED_TENSORFLOW)}' "
+        f"'{_pip_range('keras', TESTED_KERAS)}') or run safevars' test suite on yours."
     )
     warnings.warn(text, RuntimeWarning, stacklevel=3)
     return text
 
 
 check_versions()
+
+
+def _call_each_by_partial(steps: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
+    """``call_each`` for Python 3.10, which has no ``operator.call``: ``partial(fn, *args)``
+    made by ``starmap``, then called by ``methodcaller('__call__')``; C objects only."""
+    return map(_CALL, itertools.starmap(functools.partial, steps))
+
+
+_CALL = operator.methodcaller("__call__")
+
+call_each: Callable[[Iterable[tuple[Any, ...]]], Iterator[Any]]
+"""``call_each(steps)``: a lazy iterator calling ``fn(*args)`` for each ``(fn, *args)``
+of ``steps``, in order. Made of C objects only (no Python frame), so consuming it with a
+C consumer (``collections.deque(maxlen=0).extend``) runs the calls as one chain of C
+calls: a signal handler (``KeyboardInterrupt``) runs before the first or after the last,
+never between two (:meth:`safevars.locking.guard.Guard.write_counted` relies on it).
+``starmap(operator.call, steps)`` on Python 3.11+, ``_call_each_by_partial`` on 3.10."""
+if sys.version_info >= (3, 11):
+    call_each = functools.partial(itertools.starmap, operator.call)
+else:  # pragma: no cover - depends on the Python version
+    call_each = _call_each_by_partial
 
 
 def keras_internal(module: str) -> ModuleType:
@@ -121,6 +169,7 @@ def autograph_source_map() -> Any:
 
 __all__ = [
     "TESTED_KERAS",
+    "TESTED_PYTHON",
     "TESTED_TENSORFLOW",
     "ConcreteFunction",
     "FallbackException",
@@ -129,6 +178,7 @@ __all__ = [
     "ResourceVariable",
     "autograph_config",
     "autograph_source_map",
+    "call_each",
     "captured_placeholder",
     "check_versions",
     "checkpoint_entry_points",

@@ -17,11 +17,14 @@ import re
 import subprocess
 import sys
 import threading
-import tomllib
 import types
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 from tests.support import threading_harness
 from tests.support.threading_harness import call_bounded, join_all, run_threads
 

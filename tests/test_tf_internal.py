@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import ast
+import collections
+import ctypes
+import itertools
+import operator
 import pathlib
 import re
+import signal
+import sys
 import warnings
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 import safevars
 from safevars import _tf_internal
 
-PACKAGE = pathlib.Path(safevars.__file__).parent
+PACKAGE = pathlib.Path(safevars.__file__).parent  # installed or the source tree
+PYPROJECT = next(  # the checkout's, also when the tests run against an installed wheel
+    d / "pyproject.toml"
+    for d in pathlib.Path(__file__).resolve().parents
+    if (d / "pyproject.toml").exists()
+)
 PRIVATE = re.compile(r"^(tensorflow\.python|keras\.src)(\.|$)")
 
 
@@ -44,32 +60,125 @@ def test_only_the_door_reaches_private_apis():
 def test_tested_versions_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _tf_internal.check_versions("2.21.0", "3.15.1") == ""
-        assert _tf_internal.check_versions("2.21.3rc1", "3.15.0") == ""
+        for tensorflow, keras in [
+            ("2.21.0", "3.15.1"),
+            ("2.21.3rc1", "3.15.0"),
+            ("2.16.1", "3.12.0"),
+            ("2.18.0", "3.13.2"),
+        ]:
+            assert _tf_internal.check_versions(tensorflow, keras) == ""
 
 
 @pytest.mark.parametrize(
     ("tensorflow", "keras", "named"),
     [
-        ("2.20.0", "3.15.1", ["TensorFlow 2.20.0"]),
+        ("2.15.1", "3.15.1", ["TensorFlow 2.15.1"]),
+        ("2.22.0rc0", "3.15.1", ["TensorFlow 2.22.0rc0"]),
         ("2.21.0", "3.16.0", ["Keras 3.16.0"]),
-        ("2.22.0rc0", "3.9.2", ["TensorFlow 2.22.0rc0", "Keras 3.9.2"]),
+        ("2.16.2", "3.11.3", ["Keras 3.11.3"]),
+        ("2.22.0rc0", "2.15.0", ["TensorFlow 2.22.0rc0", "Keras 2.15.0"]),
     ],
 )
 def test_untested_versions_warn_naming_them(tensorflow, keras, named):
-    with pytest.warns(RuntimeWarning, match="tested with TensorFlow 2.21.x and Keras 3.15.x"):
+    with pytest.warns(
+        RuntimeWarning, match="tested with TensorFlow 2.16-2.21 and Keras 3.12-3.15"
+    ):
         text = _tf_internal.check_versions(tensorflow, keras)
     for name in named:
         assert name in text
-    assert "pip install" in text
+    assert "pip install 'tensorflow>=2.16,<2.22' 'keras>=3.12,<3.16'" in text
 
 
 def test_installed_versions_are_the_declared_range():
     """pyproject.toml declares what the suite runs against; this run is one of them."""
-    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
-    for name, (major, minor) in [
+    pyproject = tomllib.loads(PYPROJECT.read_text())["project"]
+    for name, tested in [
         ("tensorflow", _tf_internal.TESTED_TENSORFLOW),
         ("keras", _tf_internal.TESTED_KERAS),
     ]:
-        assert f'"{name}>={major}.{minor},<{major}.{minor + 1}"' in pyproject
+        assert _tf_internal._pip_range(name, tested) in pyproject["dependencies"]
+    (major, oldest), (_, newest) = _tf_internal.TESTED_PYTHON
+    assert pyproject["requires-python"] == f">={major}.{oldest},<{major}.{newest + 1}"
+    classifiers = pyproject["classifiers"]
+    assert [c for c in classifiers if c.startswith("Programming Language :: Python :: 3.")] == [
+        f"Programming Language :: Python :: {major}.{minor}" for minor in range(oldest, newest + 1)
+    ]
     assert _tf_internal.check_versions() == ""
+    assert _tf_internal.TESTED_PYTHON[0] <= sys.version_info[:2] <= _tf_internal.TESTED_PYTHON[1]
+
+
+# ----------------------------------------------------------- call_each (Python 3.10)
+
+CALL_EACH = {"chosen": _tf_internal.call_each, "by_partial": _tf_internal._call_each_by_partial}
+_consume = collections.deque(maxlen=0).extend
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Box:
+    a = b = value = 0
+
+
+def test_call_each_is_operator_call_where_python_has_it():
+    if sys.version_info >= (3, 11):
+        assert _tf_internal.call_each.args == (operator.call,)
+    else:
+        assert _tf_internal.call_each is _tf_internal._call_each_by_partial
+
+
+@pytest.mark.parametrize("name", sorted(CALL_EACH))
+def test_call_each_calls_in_order(name):
+    log: list[object] = []
+    box = _Box()
+    _consume(
+        CALL_EACH[name](
+            [(log.append, 1), (setattr, box, "value", 2), (log.extend, (3, 4)), (log.append, 5)]
+        )
+    )
+    assert log == [1, 3, 4, 5]
+    assert box.value == 2
+    assert list(CALL_EACH[name]([(divmod, 7, 2), (max, 1, 9, 3)])) == [(3, 1), 9]
+
+
+def _chain_under_interrupt(make_iterator):
+    """Runs [raise SIGUSR1, write a, write b] through ``make_iterator`` and a C consumer;
+    the handler raises. Returns (a, b) as the interrupt left them."""
+    raise_signal_in_c = getattr(ctypes.CDLL(None), "raise")  # libc raise(): no check point
+    box = _Box()
+
+    def handler(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with pytest.raises(_Interrupted):
+            _consume(
+                make_iterator(
+                    [
+                        (raise_signal_in_c, signal.SIGUSR1),
+                        (setattr, box, "a", 1),
+                        (setattr, box, "b", 1),
+                    ]
+                )
+            )
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    return box.a, box.b
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
+@pytest.mark.parametrize("name", sorted(CALL_EACH))
+def test_call_each_has_no_check_point_between_calls(name):
+    """An interrupt raised by the first call lands after the last (Guard.write_counted:
+    the write and its version count happen both or neither)."""
+    assert _chain_under_interrupt(CALL_EACH[name]) == (1, 1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
+def test_the_interrupt_check_can_fail():
+    """The same chain through a Python function lands the interrupt between the calls."""
+    assert _chain_under_interrupt(
+        lambda steps: itertools.starmap(lambda fn, *args: fn(*args), steps)
+    ) == (0, 0)

@@ -11,8 +11,6 @@ and :func:`guard_of` / :func:`guards_of` find the guard of a variable.
 from __future__ import annotations
 
 import collections
-import itertools
-import operator
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -207,7 +205,7 @@ class Guard:
         steps = ((tfi.fast_execute, ctx, op_name, None, *inputs, *attrs), count)
         stats = (setattr, self, "_writes", self._writes + writes)
         try:
-            _consume(itertools.starmap(operator.call, (*steps, stats)))
+            _consume(tfi.call_each((*steps, stats)))
         except tfi.NotOkStatusException as e:
             tfi.raise_from_not_ok_status(e, None)
         except tfi.FallbackException:

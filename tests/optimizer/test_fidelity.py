@@ -23,6 +23,11 @@ from tests.support.optimizer import (
 )
 from tests.support.threading_harness import run_threads
 
+NEEDS_MULTI_OPTIMIZER = pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason=f"keras.optimizers.MultiOptimizer is new in Keras 3.15 (found {keras.__version__})",
+)
+
 
 class TestSameResultsAsTheInnerOptimizer:
     @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -172,6 +177,7 @@ class TestItIsTheOptimizer:
         np.testing.assert_array_equal(safe, run(make_safe=False))
         np.testing.assert_allclose(safe, INIT - 0.1 * sum(GRADS[:3]), atol=1e-5)
 
+    @NEEDS_MULTI_OPTIMIZER
     def test_multi_optimizer_sets_the_loss_scale_factor_of_safe_sub_optimizers(self):
         def run(make_safe):
             a, b = keras.Variable(INIT, name="a"), keras.Variable(INIT, name="b")
@@ -206,7 +212,11 @@ class TestItIsTheOptimizer:
         assert safe.optimizer._should_use_adamw(kernel) == plain.optimizer._should_use_adamw(
             plain.trainable_variables[0]
         )
-        fit(plain), fit(safe)
+        try:
+            fit(plain)
+        except AttributeError as error:  # Keras before 3.13: Muon reads variable.path
+            pytest.skip(f"plain Keras {keras.__version__}'s Muon cannot fit here: {error}")
+        fit(safe)
         assert_same_training(plain, safe)
 
     def test_keras_warning_and_error_for_missing_gradients(self, mode):
@@ -286,6 +296,7 @@ class TestSafeOptimizersInsideOthers:
         assert wrap(v).version == 4  # once per call, not once per safe optimizer
         assert outer.statistics().calls == inner.statistics().calls == 4
 
+    @NEEDS_MULTI_OPTIMIZER
     def test_multi_optimizer_of_safe_optimizers_made_safe_under_threads(self):
         a, b = keras.Variable(tf.zeros([3]), name="a"), keras.Variable(tf.zeros([3]), name="b")
         first, second = (SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)) for _ in range(2))
