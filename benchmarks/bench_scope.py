@@ -117,9 +117,11 @@ def _fit(model: keras.Model, optimizer: Any | None = None) -> Callable[[], None]
     return call
 
 
-def _params(layers: int, **extra: Any) -> dict[str, Any]:
+def _params(workload: str, layers: int, **extra: Any) -> dict[str, Any]:
+    """A case's parameters: ``scope_vs_variables.png`` draws one curve per ``workload``
+    (the parameters besides ``variables``)."""
     return {
-        "layers": layers,
+        "workload": workload,
         "variables": 2 * layers,
         "units": FEATURES,
         "batch": BATCH,
@@ -141,7 +143,7 @@ def _training_cases(ctx: Context, layers: int) -> list[Case]:
                     "Adam": _step(plain, plain_opt, False),
                     "scope + SafeOptimizer(Adam)": _step(model, opt, False),
                 },
-                params=_params(layers),
+                params=_params("custom_step", layers),
                 goal=("scope + SafeOptimizer(Adam)", GOAL),
             )
         )
@@ -165,7 +167,7 @@ def _training_cases(ctx: Context, layers: int) -> list[Case]:
                     name=f"{name}/v{n}",
                     variants={"Adam": _fit(plain, plain_opt), label: scoped},
                     ops_per_call=FIT_STEPS,
-                    params=_params(layers, steps_per_epoch=FIT_STEPS),
+                    params=_params(name, layers, steps_per_epoch=FIT_STEPS),
                     goal=(label, GOAL),
                 )
             )
@@ -179,7 +181,7 @@ def _training_cases(ctx: Context, layers: int) -> list[Case]:
                     "Adam": _step(plain, plain_opt, True),
                     "scope + SafeOptimizer(Adam)": _step(model, opt, True),
                 },
-                params=_params(layers, jit_compile=True),
+                params=_params("xla_step", layers, jit_compile=True),
                 goal=("scope + SafeOptimizer(Adam)", GOAL),
             )
         )
@@ -248,7 +250,7 @@ def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
                 "read every weight": reads,
                 "safevars.snapshot(model)": snapshot,
             },
-            params=_params(layers),
+            params=_params("snapshot", layers),
             goal=("safevars.snapshot(model)", SNAPSHOT_GOAL),
         ),
         Case(
@@ -258,7 +260,7 @@ def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
                 "safevars.locked(model) + reads": while_training(locked_reads),
                 "safevars.snapshot(model)": while_training(snapshot),
             },
-            params=_params(layers, writer="a thread training the model"),
+            params=_params("snapshot_while_training", layers),
             goal=("safevars.snapshot(model)", 1.0),
             teardown=trainer.close,
         ),
