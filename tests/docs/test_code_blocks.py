@@ -97,6 +97,20 @@ def test_the_readme_second_quickstart_command_is_what_ci_runs() -> None:
     assert commands[1].endswith(ci_command.strip()), (commands[1], ci_command)
 
 
+#: Code lines fit the site's code blocks at common widths without wrapping.
+MAX_COLUMNS = 88
+
+
+def test_code_lines_fit() -> None:
+    long = [
+        f"{b.id} +{i}: {len(line)} columns"
+        for b in BLOCKS
+        for i, line in enumerate(b.code.splitlines(), 1)
+        if len(line) > MAX_COLUMNS
+    ]
+    assert not long, f"lines over {MAX_COLUMNS} columns: {long}"
+
+
 def test_readme_is_short() -> None:
     lines = Path(ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250, len(lines)
