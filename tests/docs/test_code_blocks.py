@@ -114,3 +114,12 @@ def test_code_lines_fit() -> None:
 def test_readme_is_short() -> None:
     lines = Path(ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250, len(lines)
+
+
+def test_readme_headline_results_table_is_marked_and_short() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("<!-- headline-results -->\n", 1)[1].split(
+        "<!-- /headline-results -->", 1
+    )[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows[0].startswith("| case |") and len(rows) - 2 <= 15, rows
