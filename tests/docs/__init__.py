@@ -1,0 +1,1 @@
+"""The documentation's tests: every code block runs, the results page renders."""
