@@ -84,7 +84,7 @@ contribution, then adds it with ``assign_add``. An XLA-compiled add reading the 
 they are was 0.5 ms faster per add on one core, but 26 ms per add (75x slower) with two
 cores, so it was reverted.
 
-What one TensorFlow mutex per ``add`` costs (README, "Results", measured 2026-11-26):
+What one TensorFlow mutex per ``add`` costs (docs/history.md, measured 2026-11-26):
 Keras' own micro-step of mlp2x128 with only a ``MutexLock`` / ``ConsumeMutexLock`` pair
 added around its update read 1.18x: ``MutexLock`` hands every acquisition to the mutex's
 own thread, and the update waited for that after the last gradient. A traced ``add``

@@ -30,7 +30,7 @@ pipeline alone in a process), so one round's ratio swings between about 0.7 and 
 With 25 rounds the interval of a 0.87 median reached 1.06 (the goal undecided), and
 intervals were 0.25-0.41 wide; with 100 rounds 0.09-0.24. Each case takes 6-13 s (the
 single-element one about 20 s, warming its instances). A pipeline instance tends to
-keep one mode for its life, hence the instances (README, "Results").
+keep one mode for its life, hence the instances (docs/history.md).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ class _Contributions(_AccumulatorBase):
         is and never stores it: when every pending contribution is kept by reference
         (``max_pending`` at most ``max(num_required, 4)`` and a gradient of at least
         65,536 elements) the reduction of each large gradient starts as soon as that
-        gradient is computed, while the backward pass computes the others (README,
-        "Results"); when none is (small models: one buffer row per contribution) one
+        gradient is computed, while the backward pass computes the others
+        (docs/history.md); when none is (small models: one buffer row per contribution) one
         compiled call reduces it with the buffer's rows. Otherwise it is stored, then
         the pending ones are reduced, in the same section. The result is the same bits
         either way.

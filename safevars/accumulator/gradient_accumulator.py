@@ -156,7 +156,7 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         than fit, when it is called); ``take`` or ``reset`` make room. A deterministic
         accumulator then allocates its storage for that many up front and never grows
         it, so a traced ``add`` has no growth check (an ``If`` kernel, a function call
-        at every ``add``: README, "Results"). None (default): no limit; the storage
+        at every ``add``: docs/history.md). None (default): no limit; the storage
         grows as needed.
       lock_span: When an ``add`` traced in a ``tf.function`` takes the lock. ``"step"``
         (default): as early as the function allows, once every op traced before the

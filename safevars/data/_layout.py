@@ -174,7 +174,7 @@ def shard_stream(
             # The rest of the epoch in one gather, then its rows. On the data benchmark's
             # single elements (--cases data --repeat 3, 2026-11-27): 0.99 [0.97, 1.00]
             # the plain shard().shuffle(), against 1.02 [1.01, 1.05] with chunks of 256
-            # unbatched (README, "Results", for the shapes tried).
+            # unbatched (docs/history.md, for the shapes tried).
             return tf.data.Dataset.from_tensor_slices(gather(epoch_slots))
         slots = tf.data.Dataset.from_tensor_slices(epoch_slots)
         if elements.vectorized:

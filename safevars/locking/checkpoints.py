@@ -17,7 +17,7 @@ safevars therefore makes the savers take the locks of what they save:
   ``.keras`` and ``.weights.h5`` formats): the same for the model's and its optimizer's
   variables.
 
-Consequences, documented in the README:
+Consequences, documented in docs/guide/locks.md:
 
 * A save waits for the sections in progress on those variables, and writers wait for
   the save (including its file I/O) to finish.

@@ -24,8 +24,8 @@ joint version add): with the lock taken only after the last gradient
 (``lock_span="update"``), the update ops cannot overlap the backward pass as they do in
 the plain step, and the ``MutexLock``'s hand-off to the mutex's own thread adds to the
 step's time instead of overlapping the forward pass (measured in one process: 1.246x
-plain Adam with ``"update"``, 1.016x with ``"step"`` on a 52-variable model; README
-"Results"). The price is concurrency: two threads' traced steps on the same variables
+plain Adam with ``"update"``, 1.016x with ``"step"`` on a 52-variable model;
+docs/history.md). The price is concurrency: two threads' traced steps on the same variables
 no longer overlap their forward and backward passes, as compiled (XLA) steps never did.
 
 :func:`opening` is the same rule without gating, for sections that have no reads to
