@@ -53,8 +53,12 @@ __all__ = [
 VERBOSE_ENV = "SAFEVARS_VERBOSE"
 
 # One absl/glog line: severity letter, MMDD, time (before absl is initialized it reads
-# "00:00:<seconds since 1970>"), thread id, file:line]
-_LOG_LINE = re.compile(r"^(?P<severity>[IWEF])\d{4} [\d:.]+\s+\d+ [^:\]\s]+:\d+\] ")
+# "00:00:<seconds since 1970>"), thread id, file:line] (TensorFlow 2.18 and newer); or
+# TensorFlow's own format up to 2.17: date, time, then ": <severity> file:line] ".
+_LOG_LINE = re.compile(
+    r"^(?:(?P<severity>[IWEF])\d{4} [\d:.]+\s+\d+ [^:\]\s]+:\d+\] "
+    r"|\d{4}-\d\d-\d\d [\d:.]+: (?P<old_severity>[IWEF]) [^:\]\s]+:\d+\] )"
+)
 _STARTUP_NOISE = (
     # absl's notice, printed once per library that logs before absl::InitializeLog().
     re.compile(
@@ -65,8 +69,12 @@ _STARTUP_NOISE = (
         r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.$"
     ),
 )
-# ERROR lines that only say there is no usable CUDA driver (a CPU-only machine).
-_NO_CUDA_ERRORS = re.compile(r"failed call to cuInit")
+# ERROR lines that only say there is no usable CUDA driver (a CPU-only machine), or (up
+# to TensorFlow 2.17) that a CUDA library's factory was registered twice at import.
+_NO_CUDA_ERRORS = re.compile(
+    r"failed call to cuInit|Unable to register cu(?:FFT|DNN|BLAS) factory: Attempting to "
+    r"register factory for plugin cu(?:FFT|DNN|BLAS) when one has already been registered"
+)
 
 
 def verbose_requested(argv: Sequence[str] | None = None) -> bool:
@@ -104,9 +112,10 @@ def is_startup_noise(line: str) -> bool:
     m = _LOG_LINE.match(line)
     if m is None:
         return False
-    if m["severity"] in "IW":
+    severity = m["severity"] or m["old_severity"]
+    if severity in "IW":
         return True
-    return m["severity"] == "E" and _NO_CUDA_ERRORS.search(line) is not None
+    return severity == "E" and _NO_CUDA_ERRORS.search(line) is not None
 
 
 def startup_noise(text: str) -> list[str]:

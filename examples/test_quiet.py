@@ -33,9 +33,15 @@ STARTUP = [
     "To enable the following instructions: AVX2 AVX512F AVX512_VNNI AVX512_BF16 AVX_VNNI FMA, in other operations, rebuild TensorFlow with the appropriate compiler flags.",
     "E0000 00:00:1795441450.357066   12591 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
     "W1123 13:44:52.123456   12591 dso_loader.cc:64] Could not load dynamic library 'libcudnn.so.9'",
+    # TensorFlow 2.16 (its own log format up to 2.17, and the factory errors it printed).
+    "2026-11-28 12:43:41.743030: I tensorflow/core/util/port.cc:113] oneDNN custom operations are on.",
+    "2026-11-28 12:43:41.798805: E external/local_xla/xla/stream_executor/cuda/cuda_fft.cc:479] Unable to register cuFFT factory: Attempting to register factory for plugin cuFFT when one has already been registered",
+    "2026-11-28 12:43:41.837826: E external/local_xla/xla/stream_executor/cuda/cuda_dnn.cc:10575] Unable to register cuDNN factory: Attempting to register factory for plugin cuDNN when one has already been registered",
+    "2026-11-28 12:43:49.353536: W tensorflow/compiler/tf2tensorrt/utils/py_utils.cc:38] TF-TRT Warning: Could not find TensorRT",
 ]
 NOT_STARTUP = [
     "E0000 00:00:1795441450.357066   12591 mutex_ops.cc:52] an error TensorFlow reports",
+    "2026-11-28 12:43:41.798805: E tensorflow/core/kernels/mutex_ops.cc:52] a 2.16 error",
     "F0000 00:00:1795441450.357066   12591 check.cc:12] Check failed: a fatal error",
     "Traceback (most recent call last):",
     "/tmp/x.py:4: UserWarning: a warning",
