@@ -68,6 +68,19 @@ _KERNELS = {
 _INT32_LIMIT = 2**31
 
 
+def _write_op(written: Any) -> Any:
+    """The op of what a traced write returned, for the version count to wait for.
+
+    A tensor's op; for a variable, its ``op`` too: ``ResourceVariable.scatter_*`` return
+    an unread variable (``_lazy_read``) whose ``op`` is the scatter (its handle may be
+    the eager handle the function captured, which has no graph). Anything else (an op,
+    a group of a distributed variable's updates, ``None``) as it is.
+    """
+    if isinstance(written, (tf.Tensor, tf.Variable)):
+        return written.op
+    return written
+
+
 class _Writes(_SafeVariableFields):
     """The writes of :class:`~safevars.SafeVariable` (a mixin, no state of its own).
 
@@ -110,8 +123,7 @@ class _Writes(_SafeVariableFields):
         joined writes of a variable then share one count)."""
         guard = self._self_guard
         with tf.control_dependencies(_earlier_ops(guard)):
-            written = op()
-        written = written.op if isinstance(written, tf.Tensor) else written
+            written = _write_op(op())
         count = _writes_to_count(guard, count)
         if count and own and defer_count(guard, written, count):
             bumped = written  # the section counts it after this body
