@@ -157,6 +157,7 @@ __all__ = [
     "raise_from_not_ok_status",
     "read_eagerly",
     "resource_variable_ops",
+    "saved_model_loader",
     "sharded_variable",
     "tensor_conversion_registry",
     "tensor_getitem_override",
@@ -216,6 +217,15 @@ def read_eagerly(variable, handle, dtype):
     overhead and its extra identity op (gradient tapes still see the read)."""
     variable_accessed(variable)
     return gen_resource_variable_ops.read_variable_op(handle, dtype)
+
+
+def saved_model_loader() -> Any:
+    """The class ``tf.saved_model.load`` builds the loaded objects with (``Loader``): its
+    ``_restore_checkpoint`` restores the SavedModel's variables and then asserts that
+    every object it built got a value."""
+    from tensorflow.python.saved_model import load
+
+    return load.Loader
 
 
 def checkpoint_entry_points(checkpoint_objects, keras_objects):

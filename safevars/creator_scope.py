@@ -52,6 +52,13 @@ NOTES:
     whole step one section.
   * Under a strategy, a sync-on-read variable (Keras metrics) is written per replica:
     each replica's write of its own copy counts one version.
+  * A SavedModel loaded inside the scope (``tf.saved_model.load``, Keras'
+    ``TFSMLayer``): the variables the loader recreates are SafeVariables, so writes made
+    through them (a Keras optimizer fine-tuning a ``TFSMLayer``) are locked and counted,
+    and each version starts at 0 (a SavedModel holds none). The *loaded functions*,
+    though, write through the handles they captured when they were saved: those writes
+    take neither these variables' locks nor their versions (functions saved from
+    safevars objects keep their own locks among themselves).
 
 Tested with TensorFlow 2.21 and Keras 3.15.
 """
@@ -66,8 +73,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from safevars._tf_internal import saved_model_loader
 from safevars.distribute import check_strategy, merge_context
 from safevars.locking import Guard, hold
+from safevars.locking.saved_model import restores_without_versions, restoring_saved_model
 from safevars.sections import graph_section
 from safevars.variable import SafeVariable, _writes_to_count, writes_counted_by_caller
 
@@ -310,7 +319,7 @@ def _keras_checkpoint_children(original: Callable[..., Any]) -> Callable[..., An
     def _trackable_children(self: Any, save_type: str = "checkpoint", **kwargs: Any) -> Any:
         children = original(self, save_type, **kwargs)
         guard = getattr(getattr(self, "_value", None), "_self_guard", None)
-        if not isinstance(guard, Guard) or save_type != "checkpoint":
+        if not isinstance(guard, Guard) or save_type != "checkpoint" or restoring_saved_model():
             return children
         guard.sync_version_var()
         return {**children, "safevars_version": guard.version_var}
@@ -336,6 +345,7 @@ def install() -> None:
     global _keras_internal
     with _INSTALL_LOCK:
         _patch(tf.distribute.StrategyExtended, "update", _update_under_lock)
+        _patch(saved_model_loader(), "_restore_checkpoint", restores_without_versions)
         if _keras_internal is not None:
             return
         try:

@@ -47,7 +47,7 @@ from safevars._tf_internal import (
 )
 from safevars.distribute import check_strategy
 from safevars.locking import Guard, LockStatistics
-from safevars.locking.saved_model import saved_guards
+from safevars.locking.saved_model import restoring_saved_model, saved_guards
 from safevars.snapshot import Snapshot, take_snapshots
 from safevars.variable.checks import _static_shape
 from safevars.variable.scatter import _Scatter
@@ -241,7 +241,7 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
             # restores no children of its own (safevars.locking.saved_model; it syncs
             # the version variable itself).
             children["safevars"] = saved_guards([guard])
-        else:
+        elif not restoring_saved_model():  # a SavedModel's checkpoint has no versions
             guard.sync_version_var()
             children["safevars_version"] = guard.version_var
         return children
