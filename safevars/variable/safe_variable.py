@@ -25,6 +25,13 @@ NOTES:
   * Passing a SafeVariable as an *argument* of a ``tf.function`` gives the function a
     plain variable inside; capture it by closure (the usual Keras pattern) to keep the
     locks.
+  * What a write returns with ``read_value=True`` is, as with ``tf.Variable``, the
+    variable *unread* (a SafeVariable sharing the lock and version): reading it later
+    may see later writes. ``update(fn)`` returns the value it wrote.
+  * ``repr(v)`` is plain TensorFlow's (``<tf.Variable 'w:0' shape=() ...>``), as every
+    other attribute: ``type(v)``, ``v.version`` and ``v.statistics()`` show what
+    safevars adds. Shape errors keep TensorFlow's words ("... are incompatible",
+    "shapes must be equal") besides naming the argument and the fix.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import wrapt
 
 from safevars._tf_internal import (
     ds_values,
+    lazy_read,
     object_identity,
     ops,
     resource_variable_ops,
@@ -137,6 +145,8 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         self._self_validate_shape = bool(
             plain and variable._validate_shape and variable.shape.is_fully_defined()
         )
+        self._self_unread: SafeVariable | None = None  # what eager writes return, made once
+        self._self_is_unread = False
 
     # ------------------------------------------------------------------ identity
 
@@ -147,8 +157,52 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
     experimental_ref = ref
 
     def __repr__(self) -> str:
-        inner = repr(self.__wrapped__)
-        return f"<safevars.SafeVariable version={self._self_guard.version()} {inner[1:]}"
+        # Plain TensorFlow's, as every other attribute (TensorFlow's own tests compare it);
+        # type(v), v.version and v.statistics() tell a SafeVariable apart.
+        return repr(self.__wrapped__)
+
+    def _unread(self, write: Any) -> Any:
+        """What a write returns with ``read_value=True``, as ``tf.Variable``'s writes do:
+        the variable, unread, its reads ordered after ``write`` (the write's op in a
+        graph, ``None`` eagerly).
+
+        It is a SafeVariable over TensorFlow's unread variable (``name`` is
+        ``"UnreadVariable"`` eagerly, the op's name in a graph) sharing this variable's
+        guard, so writes through it are locked and counted here. Nothing is read until
+        it is used: a ``tf.function`` that only assigns holds no ``ReadVariableOp``, and a
+        read sees the variable when it is made, later writes included, as with plain
+        TensorFlow. Eagerly one such view is made per variable and reused. A distributed
+        variable makes no unread variable: eagerly ``self``, in a graph a read after
+        ``write``.
+        """
+        eager = write is None
+        if eager and self._self_unread is not None:
+            return self._self_unread
+        if eager and self._self_is_unread:
+            return self
+        unread = lazy_read(self.__wrapped__, write)
+        if unread is None:
+            if eager:
+                return self
+            with tf.control_dependencies([write]):
+                return self.__wrapped__.read_value()
+        view = type(self).__new__(type(self))
+        wrapt.ObjectProxy.__init__(view, unread)
+        for attribute in (
+            "_self_guard",
+            "_self_static_shape",
+            "_self_dtype",
+            "_self_mirrored",
+            "_self_number_kind",
+            "_self_handle",
+            "_self_validate_shape",
+        ):
+            setattr(view, attribute, getattr(self, attribute))
+        view._self_unread = None
+        view._self_is_unread = True
+        if eager:
+            self._self_unread = view
+        return view
 
     def __copy__(self) -> SafeVariable:
         return self
