@@ -3,6 +3,7 @@ checkpoints, bad input and MirroredStrategy."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import threading
@@ -70,6 +71,13 @@ def layout(request, monkeypatch):
 
 
 class TestConstruction:
+    def test_signature_shows_the_constructor_parameters(self):
+        signature = inspect.signature(GradientAccumulator)
+        assert list(signature.parameters)[:2] == ["variables", "reduction"]
+        assert signature.parameters["reduction"].default == "mean"
+        assert signature.parameters["max_pending"].default is None
+        assert signature.parameters["name"].default == "gradient_accumulator"
+
     def test_bad_arguments_are_refused(self):
         v = tf.Variable(tf.zeros([2]))
         for kwargs in (

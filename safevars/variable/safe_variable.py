@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import weakref
 from typing import Any, SupportsIndex
@@ -329,6 +330,20 @@ def _to_tensor(
 
 
 tensor_conversion_registry.register_tensor_conversion_function(SafeVariable, _to_tensor)
+
+
+def _constructor_signature() -> inspect.Signature:
+    """``SafeVariable(...)``'s parameters: ``tf.Variable``'s, which it forwards.
+
+    Set as the class's ``__signature__``: without it ``inspect.signature(SafeVariable)``
+    (notebooks, IDEs, help) followed the ``__wrapped__`` that the proxy class defines (a
+    descriptor, not a callable) and raised ``ValueError``.
+    """
+    plain = inspect.signature(tf.Variable.__init__)
+    return plain.replace(parameters=list(plain.parameters.values())[1:])
+
+
+SafeVariable.__signature__ = _constructor_signature()  # type: ignore[attr-defined]
 
 
 def _unpickle(version: int, **kwargs: Any) -> SafeVariable:

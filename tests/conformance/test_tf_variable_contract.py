@@ -7,6 +7,7 @@ and, where it applies, run eagerly and under ``tf.function`` (the ``mode`` fixtu
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import keras
@@ -33,6 +34,17 @@ def test_isinstance_and_attributes(make):
     assert v.dtype == tf.float32 and v.shape == (2,) and v.name == "w:0"
     assert v.trainable and v.ref().deref() is v
     assert {v.ref(): 1}[v.ref()] == 1
+
+
+def test_signature_is_tf_variables():
+    """inspect.signature (notebooks, IDEs) shows tf.Variable's parameters, which
+    SafeVariable(...) takes; it raised ValueError (the proxy class's __wrapped__)."""
+    signature = inspect.signature(safevars.SafeVariable)
+    plain = inspect.signature(tf.Variable.__init__)
+    assert list(signature.parameters.values()) == list(plain.parameters.values())[1:]
+    assert signature.parameters["initial_value"].default is None
+    assert signature.parameters["validate_shape"].default is True
+    assert signature.bind([1.0], name="w", trainable=False).arguments["name"] == "w"
 
 
 def test_repr_is_plain_tensorflows(make):
