@@ -144,6 +144,22 @@ KNOWN_FAILURES: dict[str, str] = {
         "endpoint's graph recorded, the wrapped tf.Variables, not the SafeVariables that "
         "carry the lock's resources: 'references an untracked resource'"
     ),
+    # The same, in the full set: exported endpoints that update a layer's state or its
+    # seed generator.
+    **{
+        f"ExportSavedModelTest.test_model_with_{what}_export_{kind}": (
+            "as TestTFSMLayer.test_call_training: the exported endpoint writes a "
+            "SafeVariable, whose lock's mutex Keras' ExportArchive does not track"
+        )
+        for what in ("non_trainable_state", "rng")
+        for kind in ("functional", "sequential", "subclass")
+    },
+    "SwapEMAWeightsTest.test_swap_ema_weights_with_tf_distribute": (
+        "under MirroredStrategy the optimizer's EMA copies (aggregation NONE) are written "
+        "in a replica context, which safevars refuses (UnsupportedStrategyError: "
+        "'mirrored with aggregation NONE, so replicas cannot write it inside "
+        "strategy.run'); plain Keras writes them (root cause not analysed yet)"
+    ),
 }
 
 # Tests that fail here without safevars too, for a reason of this environment: skipped
@@ -339,4 +355,7 @@ def test_every_selected_keras_test_module_is_collected() -> None:
 #   default set: SAFEVARS_CONFORMANCE=plain: 272 Keras tests pass (42 s), 8 skipped by
 #     Keras itself or for a missing package. Wrapped: 271 of those 272 pass, 1 is the
 #     known failure above (strict xfail), none excluded: 99.6 %; 71 s (48 s of CPU).
-#   SAFEVARS_KERAS_MODELS=full: see the notes of the commit that added them.
+#   SAFEVARS_KERAS_MODELS=full (49 modules): plain: 979 Keras tests pass (18 min under
+#     load), 66 skipped (Keras' own, missing packages, FAILS_PLAINLY). Wrapped: 971 of
+#     those 979 pass, 8 are the known failures above (7 of them one root cause: exported
+#     endpoints that write a SafeVariable): 99.2 %; 15 min.
