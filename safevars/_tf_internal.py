@@ -202,6 +202,7 @@ __all__ = [
     "in_xla_context",
     "is_loop_body",
     "keras_internal",
+    "lazy_read",
     "mutex_lock",
     "nest",
     "object_identity",
@@ -211,6 +212,7 @@ __all__ = [
     "read_eagerly",
     "read_value_op",
     "resource_variable_ops",
+    "saved_model_loader",
     "sharded_variable",
     "tensor_conversion_registry",
     "tensor_getitem_override",
@@ -324,6 +326,39 @@ def read_eagerly(variable, handle, dtype):
     overhead and its extra identity op (gradient tapes still see the read)."""
     variable_accessed(variable)
     return gen_resource_variable_ops.read_variable_op(handle, dtype)
+
+
+def lazy_read(variable, op):
+    """What ``ResourceVariable.assign*`` returns with ``read_value=True``: the variable as
+    an unread variable (``_lazy_read``) whose reads wait for ``op``, or ``None`` for a
+    variable that makes none (a distributed variable).
+
+    Eagerly (``op`` is ``None``) it is made without ``_lazy_read``'s
+    ``variable_accessed``: safevars' eager writes call the write kernels directly and
+    record no access (a ``tf.custom_gradient`` would otherwise see the wrapped variable
+    as one its function used, besides the SafeVariable it was given).
+    """
+    if not isinstance(variable, resource_variable_ops.BaseResourceVariable):
+        return None
+    if op is not None:
+        return variable._lazy_read(op)
+    return resource_variable_ops._UnreadVariable(
+        handle=variable.handle,
+        dtype=variable.dtype,
+        shape=variable._shape,
+        in_graph_mode=False,
+        parent_op=None,
+        unique_id=variable._unique_id,
+    )
+
+
+def saved_model_loader() -> Any:
+    """The class ``tf.saved_model.load`` builds the loaded objects with (``Loader``): its
+    ``_restore_checkpoint`` restores the SavedModel's variables and then asserts that
+    every object it built got a value."""
+    from tensorflow.python.saved_model import load
+
+    return load.Loader
 
 
 def checkpoint_entry_points(checkpoint_objects, keras_objects):

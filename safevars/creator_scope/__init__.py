@@ -55,6 +55,13 @@ NOTES:
   * Under a strategy, a sync-on-read variable (Keras metrics) is written per replica:
     each replica's write of its own copy counts one version; ``model.fit``'s train step
     runs per replica there, and its optimizer's update is the one section.
+  * A SavedModel loaded inside the scope (``tf.saved_model.load``, Keras'
+    ``TFSMLayer``): the variables the loader recreates are SafeVariables, so writes made
+    through them (a Keras optimizer fine-tuning a ``TFSMLayer``) are locked and counted,
+    and each version starts at 0 (a SavedModel holds none). The *loaded functions*,
+    though, write through the handles they captured when they were saved: those writes
+    take neither these variables' locks nor their versions (functions saved from
+    safevars objects keep their own locks among themselves).
 
 Where things live:
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.distribute import merge_context
 from safevars.locking import Guard
+from safevars.locking.saved_model import restoring_saved_model
 from safevars.variable import SafeVariable
 
 __all__ = ["checkpoint_children", "read_modify_write"]
@@ -59,7 +60,7 @@ def checkpoint_children(original: Callable[..., Any]) -> Callable[..., Any]:
     def _trackable_children(self: Any, save_type: str = "checkpoint", **kwargs: Any) -> Any:
         children = original(self, save_type, **kwargs)
         guard = getattr(getattr(self, "_value", None), "_self_guard", None)
-        if not isinstance(guard, Guard) or save_type != "checkpoint":
+        if not isinstance(guard, Guard) or save_type != "checkpoint" or restoring_saved_model():
             return children
         guard.sync_version_var()
         return {**children, "safevars_version": guard.version_var}

@@ -15,11 +15,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from safevars._tf_internal import saved_model_loader
 from safevars.creator_scope import keras_variables, optimizer_steps, train_steps
 from safevars.creator_scope.creators import reenter_after_reset
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.slots import add_variable_from_reference
 from safevars.creator_scope.strategy_updates import update_under_lock
+from safevars.locking.saved_model import restores_without_versions
 
 __all__ = ["install"]
 
@@ -58,6 +60,7 @@ def install() -> None:
     with _INSTALL_LOCK:
         _patch(tf.distribute.StrategyExtended, "update", update_under_lock)
         _patch(tf.compat.v1, "reset_default_graph", _surviving_reset)
+        _patch(saved_model_loader(), "_restore_checkpoint", restores_without_versions)
         if _KERAS_DONE:
             return
         keras = keras_classes()

@@ -13,13 +13,25 @@ into a plain variable, which restores no children of its own, so variables hung 
 would stay uninitialized (the loaded function then failed on its first version add).
 A loaded function takes its mutex as the original did: loaded functions that shared a
 lock exclude each other.
+
+Loading inside :func:`safevars.scope` makes every variable the loader recreates a
+SafeVariable, whose checkpoint children include its version variable; but a SavedModel's
+checkpoint never holds one (it saves the resources above instead, or nothing: a
+SavedModel written without safevars), and the loader asserts that every object it built
+got a value ("Found N Python objects that were not bound to checkpointed values").
+:func:`restoring_saved_model` tells a SafeVariable that the loader is restoring, and
+:func:`restores_without_versions` wraps the loader's restore in it: there, a SafeVariable
+has no version child (its version starts at 0, as a new variable's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
@@ -27,7 +39,14 @@ import tensorflow as tf
 if TYPE_CHECKING:
     from safevars.locking.guard import Guard
 
-__all__ = ["SavedResource", "saved_guards", "saved_mutex", "saved_variable"]
+__all__ = [
+    "SavedResource",
+    "restores_without_versions",
+    "restoring_saved_model",
+    "saved_guards",
+    "saved_mutex",
+    "saved_variable",
+]
 
 
 def _unique_name() -> str:
@@ -123,3 +142,34 @@ def saved_guards(guards: Iterable[Guard]) -> tf.Module:
     state = tf.Module(name="safevars")
     state.resources = list(resources.values())
     return state
+
+
+# ------------------------------------------------------------------ loading a SavedModel
+
+_loading = threading.local()  # .depth: SavedModel restores running in this thread
+
+
+def restoring_saved_model() -> bool:
+    """Whether this thread is inside a SavedModel loader's restore of its variables."""
+    return getattr(_loading, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _restoring() -> Iterator[None]:
+    _loading.depth = getattr(_loading, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _loading.depth -= 1
+
+
+def restores_without_versions(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps the SavedModel loader's ``_restore_checkpoint`` in :func:`_restoring`."""
+
+    @functools.wraps(original)
+    def _restore_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _restoring():
+            return original(self, *args, **kwargs)
+
+    _restore_checkpoint._safevars = True  # type: ignore[attr-defined]
+    return _restore_checkpoint

@@ -66,6 +66,25 @@ def graph_section(
     return lock_section(sorted_locks(guards), fn, after, gated=gated)
 
 
+def _reading_unread_results(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with each result that is a write's unread return value read in the body.
+
+    A write with ``read_value=True`` returns the variable unread, read where it is used
+    (:meth:`safevars.SafeVariable._unread`, as ``tf.Variable`` does): a write's own
+    section reads nothing. What a section body *returns* (a transaction's results) is
+    read inside the section, so it is the state the section made, and an exactly-once
+    step's discarded section returns zeros in its place (:mod:`safevars.exactly_once`).
+    """
+
+    def body() -> Any:
+        return tf.nest.map_structure(
+            lambda x: tf.convert_to_tensor(x) if getattr(x, "_self_is_unread", False) else x,
+            fn(),
+        )
+
+    return body
+
+
 def lock_section(
     ordered: list[SectionLock],
     fn: Callable[[], Any],
@@ -130,7 +149,7 @@ def _traced_section(
     new = [lock for lock in ordered if lock not in held]
     if not new:
         return fn()
-    fn = _wrapped_body(ordered, fn)
+    fn = _wrapped_body(ordered, _reading_unread_results(fn))
     if held:
         top = max(held, key=lambda lock: lock.order)
         if new[0].order < top.order:  # Same rule as eager hold(): no lock out of order.

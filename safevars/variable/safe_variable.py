@@ -25,12 +25,20 @@ NOTES:
   * Passing a SafeVariable as an *argument* of a ``tf.function`` gives the function a
     plain variable inside; capture it by closure (the usual Keras pattern) to keep the
     locks.
+  * What a write returns with ``read_value=True`` is, as with ``tf.Variable``, the
+    variable *unread* (a SafeVariable sharing the lock and version): reading it later
+    may see later writes. ``update(fn)`` returns the value it wrote.
+  * ``repr(v)`` is plain TensorFlow's (``<tf.Variable 'w:0' shape=() ...>``), as every
+    other attribute: ``type(v)``, ``v.version`` and ``v.statistics()`` show what
+    safevars adds. Shape errors keep TensorFlow's words ("... are incompatible",
+    "shapes must be equal") besides naming the argument and the fix.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import weakref
 from typing import Any, SupportsIndex
@@ -40,6 +48,7 @@ import wrapt
 
 from safevars._tf_internal import (
     ds_values,
+    lazy_read,
     object_identity,
     opaque_trace_type,
     ops,
@@ -48,7 +57,7 @@ from safevars._tf_internal import (
 )
 from safevars.distribute import check_strategy
 from safevars.locking import Guard, LockStatistics
-from safevars.locking.saved_model import saved_guards
+from safevars.locking.saved_model import restoring_saved_model, saved_guards
 from safevars.variable.checks import _static_shape
 from safevars.variable.scatter import _Scatter
 from safevars.variable.snapshots import Snapshot, take_snapshots
@@ -140,6 +149,8 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         self._self_validate_shape = bool(
             plain and variable._validate_shape and variable.shape.is_fully_defined()
         )
+        self._self_unread: SafeVariable | None = None  # what eager writes return, made once
+        self._self_is_unread = False
 
     # ------------------------------------------------------------------ identity
 
@@ -162,8 +173,52 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         return opaque_trace_type(self)
 
     def __repr__(self) -> str:
-        inner = repr(self.__wrapped__)
-        return f"<safevars.SafeVariable version={self._self_guard.version()} {inner[1:]}"
+        # Plain TensorFlow's, as every other attribute (TensorFlow's own tests compare it);
+        # type(v), v.version and v.statistics() tell a SafeVariable apart.
+        return repr(self.__wrapped__)
+
+    def _unread(self, write: Any) -> Any:
+        """What a write returns with ``read_value=True``, as ``tf.Variable``'s writes do:
+        the variable, unread, its reads ordered after ``write`` (the write's op in a
+        graph, ``None`` eagerly).
+
+        It is a SafeVariable over TensorFlow's unread variable (``name`` is
+        ``"UnreadVariable"`` eagerly, the op's name in a graph) sharing this variable's
+        guard, so writes through it are locked and counted here. Nothing is read until
+        it is used: a ``tf.function`` that only assigns holds no ``ReadVariableOp``, and a
+        read sees the variable when it is made, later writes included, as with plain
+        TensorFlow. Eagerly one such view is made per variable and reused. A distributed
+        variable makes no unread variable: eagerly ``self``, in a graph a read after
+        ``write``.
+        """
+        eager = write is None
+        if eager and self._self_unread is not None:
+            return self._self_unread
+        if eager and self._self_is_unread:
+            return self
+        unread = lazy_read(self.__wrapped__, write)
+        if unread is None:
+            if eager:
+                return self
+            with tf.control_dependencies([write]):
+                return self.__wrapped__.read_value()
+        view = type(self).__new__(type(self))
+        wrapt.ObjectProxy.__init__(view, unread)
+        for attribute in (
+            "_self_guard",
+            "_self_static_shape",
+            "_self_dtype",
+            "_self_mirrored",
+            "_self_number_kind",
+            "_self_handle",
+            "_self_validate_shape",
+        ):
+            setattr(view, attribute, getattr(self, attribute))
+        view._self_unread = None
+        view._self_is_unread = True
+        if eager:
+            self._self_unread = view
+        return view
 
     def __copy__(self) -> SafeVariable:
         return self
@@ -256,7 +311,7 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
             # restores no children of its own (safevars.locking.saved_model; it syncs
             # the version variable itself).
             children["safevars"] = saved_guards([guard])
-        else:
+        elif not restoring_saved_model():  # a SavedModel's checkpoint has no versions
             guard.sync_version_var()
             children["safevars_version"] = guard.version_var
         return children
@@ -290,6 +345,20 @@ def _to_tensor(
 
 
 tensor_conversion_registry.register_tensor_conversion_function(SafeVariable, _to_tensor)
+
+
+def _constructor_signature() -> inspect.Signature:
+    """``SafeVariable(...)``'s parameters: ``tf.Variable``'s, which it forwards.
+
+    Set as the class's ``__signature__``: without it ``inspect.signature(SafeVariable)``
+    (notebooks, IDEs, help) followed the ``__wrapped__`` that the proxy class defines (a
+    descriptor, not a callable) and raised ``ValueError``.
+    """
+    plain = inspect.signature(tf.Variable.__init__)
+    return plain.replace(parameters=list(plain.parameters.values())[1:])
+
+
+SafeVariable.__signature__ = _constructor_signature()  # type: ignore[attr-defined]
 
 
 def _unpickle(version: int, **kwargs: Any) -> SafeVariable:

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
         _self_validate_shape: bool
         shape: tf.TensorShape  # The wrapped variable's (the proxy forwards it).
 
+        def _unread(self, write: Any) -> Any: ...
+
 else:
     _SafeVariableFields = object  # Nothing at run time: no attribute shadows the proxy's.
 
@@ -69,6 +71,19 @@ _KERNELS = {
 _INT32_LIMIT = 2**31
 
 
+def _write_op(written: Any) -> Any:
+    """The op of what a traced write returned, for the version count to wait for.
+
+    A tensor's op; for a variable, its ``op`` too: ``ResourceVariable.scatter_*`` return
+    an unread variable (``_lazy_read``) whose ``op`` is the scatter (its handle may be
+    the eager handle the function captured, which has no graph). Anything else (an op,
+    a group of a distributed variable's updates, ``None``) as it is.
+    """
+    if isinstance(written, (tf.Tensor, tf.Variable)):
+        return written.op
+    return written
+
+
 class _Writes(_SafeVariableFields):
     """The writes of :class:`~safevars.SafeVariable` (a mixin, no state of its own).
 
@@ -84,35 +99,38 @@ class _Writes(_SafeVariableFields):
         """Runs the write ``op`` under the lock and counts it (eager or graph).
 
         In a graph the lock is taken once ``after`` (the value to write) is computed.
+        With ``read_value``, returns the variable to be read after the write
+        (:meth:`~safevars.SafeVariable._unread`), as plain TensorFlow does; nothing is
+        read unless the caller reads it.
         """
         guard = self._self_guard
         if tf.executing_eagerly():
             result = guard.call_locked(op, writes=_writes_to_count(guard, 1))
-            return self if read_value else result
+            return self._unread(None) if read_value else result
         writes = held_in_graph(guard)
         if writes is not None:
-            return self._graph_write_body(op, writes, read=read_value)
-        body = functools.partial(self._graph_write_body, op, None, read=read_value, own=True)
-        return graph_section([guard], body, after)
+            done = self._graph_write_body(op, writes)
+        else:
+            body = functools.partial(self._graph_write_body, op, None, own=True)
+            done = graph_section([guard], body, after)
+        return self._unread(done) if read_value else done
 
     def _graph_write_body(
         self,
         op: Callable[[], Any],
         writes: list[Any] | None,
         count: int = 1,
-        read: bool = True,
         own: bool = False,
     ) -> Any:
-        """The write, its version count and (``read``) the value written, traced in the
-        section: with ``read=False`` it returns the count's op (or the write's, when
-        the section counts it) and reads nothing (a read would also make the next write
-        of a large variable copy its buffer). ``own``: the section's whole body is this
-        write, so the section may count it (:func:`safevars.sections.defer_count`:
-        joined writes of a variable then share one count)."""
+        """The write and its version count, traced in the section; returns the count's
+        op (or the write's, when the section counts it). It reads nothing: a read would
+        be one more op in every function that writes, and would make the next write of a
+        large variable copy its buffer. ``own``: the section's whole body is this write,
+        so the section may count it (:func:`safevars.sections.defer_count`: joined writes
+        of a variable then share one count)."""
         guard = self._self_guard
         with tf.control_dependencies(_earlier_ops(guard)):
-            written = op()
-        written = written.op if isinstance(written, tf.Tensor) else written
+            written = _write_op(op())
         count = _writes_to_count(guard, count)
         if count and own and defer_count(guard, written, count):
             bumped = written  # the section counts it after this body
@@ -121,15 +139,17 @@ class _Writes(_SafeVariableFields):
         record_count(guard, bumped)
         if writes is not None:
             writes.append(bumped)
-        if not read:
-            return bumped
-        with tf.control_dependencies([bumped]):
-            return self.__wrapped__.read_value()
+        return bumped
 
-    def _checked(self, value: Any, argument: str) -> Any:
+    def _checked(self, value: Any, argument: str, replaces: bool = True) -> Any:
         """``value`` converted to the variable's dtype, its shape checked, or raises.
 
-        Called on every write, so it keeps to cached attributes and cheap checks.
+        ``replaces``: the value replaces the variable's (``assign``, ``update``), rather
+        than being added to it (``assign_add``/``assign_sub``, which never broadcast).
+        A shape error keeps the words plain TensorFlow uses for the same mistake
+        ("... are incompatible", "shapes must be equal"), which code and TensorFlow's own
+        tests match. Called on every write, so it keeps to cached attributes and cheap
+        checks.
         """
         dtype = self._self_dtype
         expected = self._self_static_shape
@@ -158,11 +178,20 @@ class _Writes(_SafeVariableFields):
             else:
                 got = None if tensor.shape.rank is None else tuple(tensor.shape.as_list())
             if got is not None and got != expected and not _shapes_fit(expected, got):
+                name = self.__wrapped__.name
+                if replaces:
+                    raise ShapeMismatchError(
+                        f"{argument} has shape {list(got)} but variable {name!r} has shape "
+                        f"{list(expected)}: the shape {tf.TensorShape(got)} and the "
+                        f"variable's shape {tf.TensorShape(expected)} are incompatible. "
+                        "Reshape the value, or create the variable with "
+                        "shape=tf.TensorShape(None) to allow any shape."
+                    )
                 raise ShapeMismatchError(
-                    f"{argument} has shape {list(got)} but variable "
-                    f"{self.__wrapped__.name!r} has shape {list(expected)}. Reshape the "
-                    "value, or create the variable with shape=tf.TensorShape(None) to "
-                    "allow any shape."
+                    f"{argument} has shape {list(got)} but variable {name!r} has shape "
+                    f"{list(expected)}: shapes must be equal ({argument} is not "
+                    f"broadcast). Reshape the {argument}, for example "
+                    f"tf.broadcast_to({argument}, tf.shape(variable))."
                 )
         return tensor
 
@@ -179,7 +208,8 @@ class _Writes(_SafeVariableFields):
           value: A tensor (or convertible) of the variable's shape and dtype.
           use_locking: Accepted for compatibility; the write is always locked.
           name: Optional op name.
-          read_value: If True, return the variable (eagerly) or the new value (graph).
+          read_value: If True, return the variable unread, as ``tf.Variable`` does;
+            otherwise ``None`` eagerly, the write's op in a graph.
 
         Raises:
           DTypeMismatchError: ``value`` does not convert to the variable's dtype (also a
@@ -192,8 +222,14 @@ class _Writes(_SafeVariableFields):
 
         Thread safety: atomic with respect to every safevars operation on this variable.
 
-        Modes: eagerly returns ``self`` (or ``None`` with ``read_value=False``); in a
-        ``tf.function`` returns the value written (or the op), ordered after the write.
+        Modes: eagerly and in a ``tf.function`` alike, with ``read_value=True`` it
+        returns what ``tf.Variable.assign`` returns, the variable unread: a
+        :class:`~safevars.SafeVariable` sharing this one's lock and version (writes
+        through it are locked and counted; eagerly its ``name`` is ``"UnreadVariable"``,
+        as plain TensorFlow's), whose reads come after this write. Nothing is read
+        unless it is used. A read gives the value the variable has *then*: another
+        thread's later write may be in it. For the value this call wrote, use
+        :meth:`update` (it returns it) or read inside :func:`safevars.locked`.
         """
         return self._assign_op("assign", value, "value", use_locking, name, read_value)
 
@@ -227,7 +263,7 @@ class _Writes(_SafeVariableFields):
         read_value: bool,
     ) -> Any:
         """The one write path of ``assign``, ``assign_add`` and ``assign_sub``."""
-        tensor = self._checked(value, argument)
+        tensor = self._checked(value, argument, replaces=method == "assign")
         wrapped = self.__wrapped__
         ctx = merge_context(wrapped) if self._self_mirrored else None
         if ctx is not None:  # Inside strategy.run: merge replicas, then one locked write.
@@ -246,7 +282,7 @@ class _Writes(_SafeVariableFields):
             guard.call_locked(
                 lambda: guard.write_counted(kernel, op_name, (handle, tensor), attrs, writes)
             )
-            return self if read_value else None
+            return self._unread(None) if read_value else None
         if type(tensor) in (int, float) and not tf.executing_eagerly():
             # A Python number (see _checked) becomes a constant here, outside the section:
             # made inside, it would be one more op the lock makes ready (a root of the
@@ -394,7 +430,6 @@ class _Writes(_SafeVariableFields):
                     lambda: wrapped.assign(results[-1], read_value=False),
                     held_in_graph(guard),
                     count=len(fns),
-                    read=False,
                 )
             with tf.control_dependencies([written]):
                 return [tf.identity(r) for r in results]
@@ -455,9 +490,7 @@ class _Writes(_SafeVariableFields):
             current = guard.graph_version()
 
             def write() -> tf.Tensor:
-                self._graph_write_body(
-                    lambda: wrapped.assign(tensor, read_value=False), None, read=False
-                )
+                self._graph_write_body(lambda: wrapped.assign(tensor, read_value=False), None)
                 return tf.constant(True)
 
             return tf.cond(tf.equal(current, expected), write, lambda: tf.constant(False))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,6 +19,13 @@ from tests.support.graph_walk import ancestors
 
 
 class TestConstruction:
+    def test_signature_shows_the_constructor_parameters(self):
+        signature = inspect.signature(GradientAccumulator)
+        assert list(signature.parameters)[:2] == ["variables", "reduction"]
+        assert signature.parameters["reduction"].default == "mean"
+        assert signature.parameters["max_pending"].default is None
+        assert signature.parameters["name"].default == "gradient_accumulator"
+
     def test_bad_arguments_are_refused(self):
         v = tf.Variable(tf.zeros([2]))
         for kwargs in (

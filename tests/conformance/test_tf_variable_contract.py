@@ -7,6 +7,7 @@ and, where it applies, run eagerly and under ``tf.function`` (the ``mode`` fixtu
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import keras
@@ -33,7 +34,26 @@ def test_isinstance_and_attributes(make):
     assert v.dtype == tf.float32 and v.shape == (2,) and v.name == "w:0"
     assert v.trainable and v.ref().deref() is v
     assert {v.ref(): 1}[v.ref()] == 1
-    assert "safevars.SafeVariable" in repr(v)
+
+
+def test_signature_is_tf_variables():
+    """inspect.signature (notebooks, IDEs) shows tf.Variable's parameters, which
+    SafeVariable(...) takes; it raised ValueError (the proxy class's __wrapped__)."""
+    signature = inspect.signature(safevars.SafeVariable)
+    plain = inspect.signature(tf.Variable.__init__)
+    assert list(signature.parameters.values()) == list(plain.parameters.values())[1:]
+    assert signature.parameters["initial_value"].default is None
+    assert signature.parameters["validate_shape"].default is True
+    assert signature.bind([1.0], name="w", trainable=False).arguments["name"] == "w"
+
+
+def test_repr_is_plain_tensorflows(make):
+    """TensorFlow's own tests compare a variable's repr; the version is v.version."""
+    v = make(1, name="r")
+    assert repr(v) == "<tf.Variable 'r:0' shape=() dtype=int32, numpy=1>"
+    assert repr(v) == repr(tf.Variable(1, name="r"))
+    v.__wrapped__.read_value = lambda: 1 / 0  # as TensorFlow's testReprUnavailable
+    assert repr(v) == "<tf.Variable 'r:0' shape=() dtype=int32, numpy=<unavailable>>"
 
 
 def test_convert_operators_and_slicing(make, mode):
@@ -191,3 +211,99 @@ def test_pickle_of_a_mirrored_variable_fails_as_plain_does(mirrored_strategy):
         pickle.dumps(plain)
     with pytest.raises(type(expected.value)):
         pickle.dumps(safe)
+
+
+# ------------------------------------------------- what a write returns, as TensorFlow
+
+
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub", "scatter_add"])
+def test_a_write_returns_the_variable_unread_as_plain_tensorflow(make, mode, method):
+    """With read_value=True a write returns what tf.Variable's returns, an unread
+    variable (eagerly named "UnreadVariable", not the variable's name), read when used:
+    here after the write. It is a SafeVariable sharing the variable's lock and version,
+    so writes chained on it are locked and counted."""
+    v, plain = make([1.0, 2.0]), tf.Variable([1.0, 2.0])
+    scatter = method.startswith("scatter")
+    arg = tf.IndexedSlices(tf.constant([3.0]), tf.constant([1])) if scatter else [3.0, 3.0]
+    names = []
+
+    def write_twice(variable):
+        out = getattr(variable, method)(arg)
+        assert isinstance(out, safevars.SafeVariable) == (variable is v)
+        names.append(out.name)
+        return tf.convert_to_tensor(getattr(out, method)(arg))
+
+    def run():
+        return write_twice(v), write_twice(plain)
+
+    got, expected = mode(run)()
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(v.numpy(), plain.numpy())
+    assert v.version == 2
+    if mode.name == "eager":
+        assert names == ["UnreadVariable", "UnreadVariable"] and v.name != names[0]
+
+
+def test_a_function_that_only_assigns_reads_nothing(make):
+    """As plain TensorFlow's testUnreadVariableInsideFunction: no ReadVariableOp in a
+    function that assigns without using the result (safevars read the value after
+    every write: one more op per write, and the next write of a large variable copied
+    its buffer). Using the result reads it after the write."""
+    v = make(1.0)
+
+    @tf.function
+    def assign():
+        v.assign(2.0)
+        v.assign_add(1.0)
+
+    graph = assign.get_concrete_function().graph
+    assert not [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assign()
+    assert float(v.numpy()) == 3.0 and v.version == 2
+
+    @tf.function
+    def assign_and_use():
+        return v.assign_add(1.0) * 2.0
+
+    assert float(assign_and_use()) == 8.0 and v.version == 3
+
+
+@pytest.mark.parametrize(
+    "method, value, pattern",
+    [
+        ("assign", np.zeros([2, 2]), r"value has shape \[2, 2\].*shape.*and.*are incompatible"),
+        ("assign_add", 1.0, r"delta has shape \[\].*shapes must be equal"),
+        ("assign_sub", [1.0], r"delta has shape \[1\].*shapes must be equal"),
+    ],
+)
+def test_shape_errors_keep_tensorflows_words(make, mode, method, value, pattern):
+    """TensorFlow's tests (and code) match "shape ... and ... are incompatible" for an
+    assign and "shapes must be equal" for an assign_add; safevars' message keeps those
+    words besides naming the argument and the fix. The failed write changes nothing."""
+    v, plain = make(np.ones([1, 4])), tf.Variable(np.ones([1, 4]))
+    with pytest.raises(Exception, match=pattern.split(".*")[-1]) as plain_error:
+        getattr(plain, method)(value)
+    with pytest.raises(safevars.ShapeMismatchError, match=pattern) as error:
+        mode(lambda: getattr(v, method)(value))()
+    assert isinstance(error.value, (ValueError, tf.errors.InvalidArgumentError))
+    assert isinstance(error.value, type(plain_error.value)) or method == "assign"
+    np.testing.assert_array_equal(v.numpy(), np.ones([1, 4]))
+    assert v.version == 0
+
+
+def test_custom_gradient_of_a_function_that_writes_its_variable_argument(make):
+    """As TensorFlow's testCustomGradientVariableOutput: the write's unread result must
+    not record an access of the wrapped variable, which tf.custom_gradient would take
+    for a variable its function used besides its argument ("grad_fn must accept keyword
+    argument 'variables'")."""
+
+    @tf.custom_gradient
+    def add_three(x):
+        x.assign_add(3.0)
+        return x, lambda dy: 2.0 * dy
+
+    v = make(2.0)
+    with tf.GradientTape() as tape:
+        out = add_three(v)
+    assert float(tape.gradient(out, v)) == 2.0
+    assert float(out) == 5.0 and v.version == 1

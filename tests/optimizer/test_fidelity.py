@@ -3,6 +3,8 @@ calls, under mixed precision, and inside other optimizers."""
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
@@ -88,6 +90,13 @@ class TestSameResultsAsTheInnerOptimizer:
 
 class TestItIsTheOptimizer:
     """Whatever a user reads, sets or calls on the optimizer works the same once safe."""
+
+    def test_signature_shows_the_constructor_parameters(self):
+        signature = inspect.signature(SafeOptimizer)
+        assert list(signature.parameters)[:2] == ["optimizer", "accumulate_steps"]
+        assert signature.parameters["accumulate_steps"].default == 1
+        assert signature.parameters["on_stale"].default == "drop"
+        assert signature.parameters["max_staleness"].default is None
 
     def test_same_object_same_class_family(self):
         adam = keras.optimizers.Adam(0.01, name="my_adam")

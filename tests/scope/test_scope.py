@@ -193,6 +193,49 @@ def test_fit_with_a_plain_optimizer_counts_each_step_once(how, name):
     assert backing(optimizer.iterations).version == steps
 
 
+def _embedding_model() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((3,), dtype="int32"),
+            keras.layers.Embedding(
+                10, 4, embeddings_initializer=keras.initializers.RandomUniform(seed=3)
+            ),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=4)),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "how, safe_optimizer",
+    [("tf_function", False), ("tf_function", True), ("xla", False), ("xla", True)],
+    ids=["sgd", "safe_sgd", "sgd_xla", "safe_sgd_xla"],
+)
+def test_fit_applies_sparse_gradients_with_scatter(how, safe_optimizer):
+    """An Embedding's gradient is ``IndexedSlices``, which Keras' SGD applies with
+    ``scatter_sub`` inside ``strategy.extended.update``: in the traced step, the count
+    of that write waited for what the scatter returned, an unread variable over the
+    eager handle the step captured ("Tensor.graph is undefined when eager execution is
+    enabled"). Same weights as without safevars, one version per step."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, size=(SAMPLES, 3)).astype(np.int32)
+    y = rng.normal(size=(SAMPLES, 1)).astype(np.float32)
+
+    def fit(model, optimizer):
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=how == "xla")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+    with scope():
+        model = _embedding_model()
+        optimizer = keras.optimizers.SGD(0.1)
+    fit(model, safevars.SafeOptimizer(optimizer) if safe_optimizer else optimizer)
+    plain = _embedding_model()
+    fit(plain, keras.optimizers.SGD(0.1))
+    for got, want in zip(model.weights, plain.weights):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert versions(model.weights) == [STEPS_PER_EPOCH] * len(model.weights)
+
+
 def _build_compiled(optimizer_class=keras.optimizers.Adam):
     """A model compiled with metrics, which are built here (by one evaluate call)."""
     model, optimizer = make_model(), optimizer_class(1e-2)

@@ -60,12 +60,15 @@ class TestWritesAndVersions:
         assert bool(cas(1))
         assert float(v.numpy()) == 5.0 and v.version == 2
 
-    def test_read_value_return_of_eager_write_is_the_proxy(self):
+    def test_read_value_return_of_eager_write_is_a_safe_view(self):
+        """As plain TensorFlow: an unread variable, not the variable itself; a
+        SafeVariable sharing its guard, made once and reused."""
         v = SafeVariable(1.0)
         out = v.assign_add(1.0)
-        assert out is v
-        out.assign_add(1.0)  # chained writes stay locked and counted
-        assert v.version == 2
+        assert isinstance(out, SafeVariable) and out.guard is v.guard
+        assert out.name == tf.Variable(1.0).assign_add(1.0).name != v.name
+        assert out.assign_add(1.0) is out is v.assign_add(0.0)
+        assert v.version == 3 and float(out.numpy()) == 3.0
         assert v.assign(0.0, read_value=False) is None
 
     @pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
