@@ -512,3 +512,10 @@ def test_share_lock_joins_the_lock_a_traced_graph_uses_and_refuses_two_or_held()
         assert not share_lock([c.guard, SafeVariable(0.0).guard])  # held: refused
     tf.function(lambda: b.assign_add(2.0), autograph=False)()  # under a's mutex now
     assert float(b.numpy()) == 2.0 and b.version == 1
+    # The lock graphs use is the target even when it is not the earliest of them.
+    early, late = SafeVariable(0.0), SafeVariable(0.0)
+    tf.function(lambda: late.assign_add(1.0), autograph=False)()
+    lock_late = late.guard.lock
+    assert early.guard.lock.order < lock_late.order
+    assert share_lock([early.guard, late.guard])
+    assert early.guard.lock is lock_late
