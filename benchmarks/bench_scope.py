@@ -29,7 +29,6 @@ case's ratio against the number of variables.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 import safevars
+from benchmarks.background import Background
 from benchmarks.case import Case, Context
 from benchmarks.tf_functions import variant_function
 
@@ -129,86 +129,56 @@ def _params(workload: str, layers: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+SAFE = "scope + SafeOptimizer(Adam)"
+
+
+def _step_case(layers: int, workload: str, jit_compile: bool) -> Case:
+    """A custom training step, plain Adam against the scope's model with SafeOptimizer."""
+    plain, plain_opt = _built(layers, False, False)
+    model, opt = _built(layers, True, True)
+    extra = {"jit_compile": True} if jit_compile else {}
+    return Case(
+        family=FAMILY,
+        name=f"{workload}/v{2 * layers}",
+        variants={
+            "Adam": _step(plain, plain_opt, jit_compile),
+            SAFE: _step(model, opt, jit_compile),
+        },
+        params=_params(workload, layers, **extra),
+        goal=(SAFE, GOAL),
+    )
+
+
+def _fit_case(layers: int, workload: str, safe: bool, inside: bool) -> Case:
+    """``model.fit`` epochs, plain Adam against the scope's model (compiled inside the
+    block with ``SafeOptimizer(Adam)`` or ``Adam``, or outside it with ``Adam``)."""
+    plain, plain_opt = _built(layers, False, False)
+    if inside:
+        model, _ = _built(layers, True, safe, compile_inside=True)
+        scoped = _fit(model)
+    else:
+        model, _ = _built(layers, True, False)
+        scoped = _fit(model, keras.optimizers.Adam(1e-3))
+    label = SAFE if safe else f"scope + Adam, compiled {'inside' if inside else 'outside'}"
+    return Case(
+        family=FAMILY,
+        name=f"{workload}/v{2 * layers}",
+        variants={"Adam": _fit(plain, plain_opt), label: scoped},
+        ops_per_call=FIT_STEPS,
+        params=_params(workload, layers, steps_per_epoch=FIT_STEPS),
+        goal=(label, GOAL),
+    )
+
+
 def _training_cases(ctx: Context, layers: int) -> list[Case]:
-    n = 2 * layers
-    cases = []
     with tf.device(ctx.device):
-        plain, plain_opt = _built(layers, False, False)
-        model, opt = _built(layers, True, True)
-        cases.append(
-            Case(
-                family=FAMILY,
-                name=f"custom_step/v{n}",
-                variants={
-                    "Adam": _step(plain, plain_opt, False),
-                    "scope + SafeOptimizer(Adam)": _step(model, opt, False),
-                },
-                params=_params("custom_step", layers),
-                goal=("scope + SafeOptimizer(Adam)", GOAL),
-            )
-        )
-        for name, safe, inside in (
-            ("fit_safe", True, True),
-            ("fit_plain_inside", False, True),
-            ("fit_plain_outside", False, False),
-        ):
-            plain, plain_opt = _built(layers, False, False)
-            if inside:
-                model, _ = _built(layers, True, safe, compile_inside=True)
-                scoped = _fit(model)
-            else:
-                model, _ = _built(layers, True, False)
-                scoped = _fit(model, keras.optimizers.Adam(1e-3))
-            label = "scope + " + ("SafeOptimizer(Adam)" if safe else "Adam")
-            label += "" if safe else (", compiled inside" if inside else ", compiled outside")
-            cases.append(
-                Case(
-                    family=FAMILY,
-                    name=f"{name}/v{n}",
-                    variants={"Adam": _fit(plain, plain_opt), label: scoped},
-                    ops_per_call=FIT_STEPS,
-                    params=_params(name, layers, steps_per_epoch=FIT_STEPS),
-                    goal=(label, GOAL),
-                )
-            )
-        plain, plain_opt = _built(layers, False, False)
-        model, opt = _built(layers, True, True)
-        cases.append(
-            Case(
-                family=FAMILY,
-                name=f"xla_step/v{n}",
-                variants={
-                    "Adam": _step(plain, plain_opt, True),
-                    "scope + SafeOptimizer(Adam)": _step(model, opt, True),
-                },
-                params=_params("xla_step", layers, jit_compile=True),
-                goal=("scope + SafeOptimizer(Adam)", GOAL),
-            )
-        )
-    return cases
-
-
-class _Trainer:
-    """A thread running the scope model's training step without pause."""
-
-    def __init__(self, step: Callable[[], None]) -> None:
-        self.step = step
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def ensure_running(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            self.step()
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout=60)
+        return [
+            _step_case(layers, "custom_step", jit_compile=False),
+            _fit_case(layers, "fit_safe", safe=True, inside=True),
+            _fit_case(layers, "fit_plain_inside", safe=False, inside=True),
+            _fit_case(layers, "fit_plain_outside", safe=False, inside=False),
+            _step_case(layers, "xla_step", jit_compile=True),
+        ]
 
 
 def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
@@ -232,7 +202,7 @@ def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
         with safevars.locked(model):
             [tf.convert_to_tensor(w) for w in weights]
 
-    trainer = _Trainer(step)
+    trainer = Background(step)  # a thread training the model without pause
 
     def while_training(read: Callable[[], None]) -> Callable[[], None]:
         def call() -> None:

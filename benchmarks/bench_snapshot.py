@@ -22,12 +22,12 @@ snapshot/locked <= 1.0).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import tensorflow as tf
 
 import safevars
+from benchmarks.background import Background
 from benchmarks.case import Case, Context
 
 FAMILY = "snapshot"
@@ -41,39 +41,20 @@ COUNTS = (1, 8, 64)
 READS_PER_CALL = 50
 
 
-class _BusyWriter:
+def _busy_writer(a: Any, b: Any) -> Background:
     """A thread writing ``a, b`` in back-to-back transactions while a case is timed."""
 
-    def __init__(self, a: Any, b: Any) -> None:
-        self.a, self.b = a, b
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
+    def move() -> None:
+        a.assign_sub(1.0, read_value=False)
+        b.assign_add(1.0, read_value=False)
 
-    def ensure_running(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        a, b = self.a, self.b
-
-        def move() -> None:
-            a.assign_sub(1.0, read_value=False)
-            b.assign_add(1.0, read_value=False)
-
-        while not self.stop.is_set():
-            safevars.transaction([a, b], move)
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(60)
+    return Background(lambda: safevars.transaction([a, b], move))
 
 
 def _busy_writer_case(ctx: Context) -> Case:
     with tf.device(ctx.device):
         a, b = safevars.SafeVariable(1e6, name="busy_a"), safevars.SafeVariable(0.0, name="busy_b")
-    writer = _BusyWriter(a, b)
+    writer = _busy_writer(a, b)
 
     def plain_reads() -> None:
         writer.ensure_running()

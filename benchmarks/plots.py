@@ -250,6 +250,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _panel_grid(plt: Any, panels: int, columns: int) -> tuple[Any, list[Any]]:
+    """A figure of ``panels`` panels, ``columns`` to a row, and its axes in order."""
+    rows = -(-panels // columns)
+    fig, axes = plt.subplots(
+        rows,
+        columns,
+        squeeze=False,
+        figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows),
+        layout="constrained",
+        dpi=DPI,
+    )
+    return fig, [ax for row in axes for ax in row]
+
+
 def _by_parameter(
     families: Iterable[dict[str, Any]], param: str
 ) -> dict[str, list[tuple[float, dict[str, Any]]]]:
@@ -345,16 +359,7 @@ def throughput_figure(plt: Any, families: list[dict[str, Any]]) -> Any | None:
             panels.append(("lost", key, lost))
     paired = any(kind == "lost" for kind, _, _ in panels)
     columns = 2 if paired else min(MAX_COLUMNS, len(panels))
-    rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(
-        rows,
-        columns,
-        squeeze=False,
-        figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows),
-        layout="constrained",
-        dpi=DPI,
-    )
-    cells = [ax for row in axes for ax in row]
+    fig, cells = _panel_grid(plt, len(panels), columns)
     for ax, (kind, key, data) in zip(cells, panels):
         if kind == "throughput":
             _throughput_panel(ax, key, data[0], data[1], color)
@@ -384,16 +389,7 @@ def against_figure(plt: Any, family: dict[str, Any], param: str) -> Any | None:
         return None
     color = _palette(plt)
     columns = min(MAX_COLUMNS, len(groups))
-    rows = -(-len(groups) // columns)
-    fig, axes = plt.subplots(
-        rows,
-        columns,
-        squeeze=False,
-        figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows),
-        layout="constrained",
-        dpi=DPI,
-    )
-    cells = [ax for row in axes for ax in row]
+    fig, cells = _panel_grid(plt, len(groups), columns)
     for ax, (key, cases) in zip(cells, sorted(groups.items())):
         series: dict[tuple[str, str], list[tuple[float, float, Any]]] = defaultdict(list)
         bounds: dict[tuple[str, str, str, float], list[str]] = defaultdict(list)
