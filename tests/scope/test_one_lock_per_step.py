@@ -38,6 +38,25 @@ def make_model(layers: int) -> keras.Model:
     )
 
 
+class Scales(keras.layers.Layer):
+    """``count`` scalar weights, each scaling its input: many variables, few ops."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.scales = [self.add_weight(shape=(), initializer="ones") for _ in range(count)]
+
+    def call(self, x):
+        return x * tf.add_n([tf.convert_to_tensor(s) for s in self.scales])
+
+
+def many_variables_model(variables: int) -> keras.Model:
+    """A Dense(4) layer (2 variables) and ``variables - 2`` scalar scales."""
+    stack = [keras.Input((4,)), keras.layers.Dense(4, activation="tanh")]
+    if variables > 2:
+        stack.append(Scales(variables - 2))
+    return keras.Sequential(stack)
+
+
 def batch() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, 4)).astype(np.float32)
@@ -84,11 +103,11 @@ def all_ops(graph) -> list[tf.Operation]:
     return ops
 
 
-def traced_step_ops(how: str, kind: str, layers: int) -> collections.Counter:
-    """The op types of one traced training step of a model of ``layers`` layers built in
-    the scope (``how``: a custom ``tf.function`` step, or ``model.fit``'s step)."""
+def traced_step_ops(how: str, kind: str, variables: int) -> collections.Counter:
+    """The op types of one traced training step of a model of ``variables`` variables
+    built in the scope (``how``: a custom ``tf.function`` step, or ``model.fit``'s)."""
     with scope():
-        model = make_model(layers)
+        model = many_variables_model(variables)
         opt = optimizer(kind) if how != "fit_compiled_outside" else None
         if how.startswith("fit") and opt is not None:
             model.compile(optimizer=opt, loss="mse", jit_compile=False)
@@ -124,7 +143,7 @@ def test_a_traced_step_takes_one_lock_whatever_the_model_size(how, kind):
     tracker's update, a metric made in the scope when the model is compiled there), and
     besides Adam's own ``AssignAdd`` s (two moments per variable) the same number of
     version adds at both sizes."""
-    small, large = (traced_step_ops(how, kind, layers) for layers in (1, 100))
+    small, large = (traced_step_ops(how, kind, variables) for variables in (2, 200))
     assert small["MutexLock"] == large["MutexLock"] == 1
     assert small["ConsumeMutexLock"] == large["ConsumeMutexLock"] == 1
     # Adam adds to its two moments of each variable (AssignAddVariableOp) and to
