@@ -133,14 +133,7 @@ EXCLUDED: dict[str, str] = {}
 
 # Tests that run wrapped and fail for a reason of safevars' (strict xfail: a fix shows
 # up as an unexpected pass).
-KNOWN_FAILURES: dict[str, str] = {
-    "SwapEMAWeightsTest.test_swap_ema_weights_with_tf_distribute": (
-        "under MirroredStrategy the optimizer's EMA copies (aggregation NONE) are written "
-        "in a replica context, which safevars refuses (UnsupportedStrategyError: "
-        "'mirrored with aggregation NONE, so replicas cannot write it inside "
-        "strategy.run'); plain Keras writes them (root cause not analysed yet)"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 # Tests that fail here without safevars too, for a reason of this environment: skipped
 # in both runs (the optional packages below are handled generically).
