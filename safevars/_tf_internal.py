@@ -201,6 +201,7 @@ __all__ = [
     "gen_stateless_random_ops_v2",
     "in_xla_context",
     "is_loop_body",
+    "keras_export_archive",
     "keras_internal",
     "lazy_read",
     "mutex_lock",
@@ -359,6 +360,24 @@ def saved_model_loader() -> Any:
     from tensorflow.python.saved_model import load
 
     return load.Loader
+
+
+def keras_export_archive() -> type:
+    """The class of Keras' SavedModel ``ExportArchive`` (``keras.export.ExportArchive``,
+    ``model.export``) that defines ``_filter_and_track_resources``: it tracks, just
+    before ``write_out`` saves, the variables the endpoints' graphs used (as
+    ``_tf_trackable._all_variables``).
+
+    Keras 3.12 defines it on ``keras.src.export.saved_model.ExportArchive``; later
+    releases moved it to ``SavedModelExportArchive``
+    (``keras.src.export.saved_model_export_archive``), a base of the archive that
+    ``ExportArchive(...)`` returns.
+    """
+    try:
+        module = keras_internal("export.saved_model_export_archive")
+    except ModuleNotFoundError:  # Keras 3.12
+        return keras_internal("export.saved_model").ExportArchive
+    return module.SavedModelExportArchive
 
 
 def checkpoint_entry_points(checkpoint_objects, keras_objects):

@@ -19,7 +19,10 @@ How a write is made safe under each:
   that meet at ``merge_call``, and holding a critical section across that meeting would
   deadlock. So safevars first merges, exactly as TensorFlow does for the variable's
   ``aggregation`` (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``), and then makes *one*
-  locked, versioned write in cross-replica context. ``update(fn)`` applies every
+  locked, versioned write in cross-replica context. With aggregation ``NONE``
+  TensorFlow merges nothing, each replica writes its own copy with its own value (Keras'
+  EMA copies of ``use_ema=True``): safevars gathers the replicas' values and writes
+  each copy its own, again as one locked, versioned write. ``update(fn)`` applies every
   replica's ``fn`` in replica order inside one critical section, one version each, so
   no replica's update is lost.
 * **Parameter servers**: variables live on the PS tasks; the guard places its
@@ -136,18 +139,16 @@ def merged_write(
     """Aggregates ``value`` across replicas as the variable's aggregation says, then
     calls ``write(aggregated)`` once, in cross-replica context.
 
-    Raises:
-      UnsupportedStrategyError: the variable's aggregation is ``NONE`` (TensorFlow cannot
-        combine the replicas' values either).
+    With aggregation ``NONE`` nothing is aggregated: TensorFlow writes each replica's
+    own copy with that replica's value, without merging. ``write`` then gets the
+    replicas' values as they are (a ``PerReplica``, or the one value every replica
+    passed) and must write each copy its own replica's value, as a cross-replica write
+    of the variable does (``strategy.extended.update`` hands each copy its replica's
+    value): the copies end as TensorFlow leaves them, written by one locked write.
     """
     aggregation = variable.aggregation
     if aggregation == tf.VariableAggregation.NONE:
-        raise UnsupportedStrategyError(
-            f"Variable {variable.name!r} is mirrored with aggregation NONE, so replicas "
-            "cannot write it inside strategy.run. Create it with aggregation="
-            "tf.VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA, or write it outside "
-            "strategy.run."
-        )
+        return ctx.merge_call(lambda _, per_replica: write(per_replica), args=(value,))
 
     def merge_fn(strategy: tf.distribute.Strategy, per_replica: Any) -> Any:
         aggregated = values_util.apply_aggregation(strategy, per_replica, aggregation, variable)

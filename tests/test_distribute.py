@@ -87,12 +87,70 @@ class TestMirrored:
         assert (a.version, b.version) == (1, 1)
         np.testing.assert_array_equal([c.numpy() for c in b.values], [1.0, 1.0])
 
-    def test_aggregation_none_in_replica_context_is_refused(self, mirrored_strategy):
+    def test_aggregation_none_writes_each_copy_its_replicas_value(self, mirrored_strategy, mode):
+        """With aggregation NONE (the default) TensorFlow writes, inside strategy.run,
+        each replica's own copy with that replica's value, merging nothing (Keras' EMA
+        copies of use_ema=True): safevars refused it. A SafeVariable now leaves every
+        copy as a plain variable does, each write one locked write counting one version,
+        and each replica gets back its own copy's value."""
         with mirrored_strategy.scope():
             v = safevars.SafeVariable(0.0)
-        with pytest.raises(safevars.UnsupportedStrategyError, match="aggregation"):
-            mirrored_strategy.run(lambda: v.assign_add(1.0))
-        assert float(v.numpy()) == 0.0 and v.version == 0
+            plain = tf.Variable(0.0)
+
+        def step(variable):
+            def replica_fn():
+                ctx = tf.distribute.get_replica_context()
+                own = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+                variable.assign(own)
+                return variable.assign_add(10.0 * own)
+
+            return mirrored_strategy.run(replica_fn)
+
+        returned = {}
+        for variable in (v, plain):
+            out = mode(lambda variable=variable: step(variable))()
+            returned[variable is v] = [
+                float(tf.convert_to_tensor(x))
+                for x in mirrored_strategy.experimental_local_results(out)
+            ]
+        expected = [11.0 * (r + 1) for r in range(mirrored_strategy.num_replicas_in_sync)]
+        assert [float(c.numpy()) for c in plain.values] == expected
+        assert [float(c.numpy()) for c in v.values] == expected
+        assert returned[True] == returned[False] == expected
+        assert v.version == 2
+
+    def test_aggregation_none_copies_are_written_in_one_section(self, mirrored_strategy):
+        """Every replica's copy of one NONE write is written in one section: a reader
+        under the lock never sees one replica's copy written and another's not."""
+        replicas = mirrored_strategy.num_replicas_in_sync
+        with mirrored_strategy.scope():
+            v = safevars.SafeVariable(0.0)
+
+        @tf.function
+        def step():
+            def replica_fn():
+                ctx = tf.distribute.get_replica_context()
+                v.assign_add(tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32))
+
+            mirrored_strategy.run(replica_fn)
+
+        step()  # traced before the threads start (run-time mode: eager locks take the mutex)
+        seen = []
+
+        def worker(index):
+            if index < 2:
+                for _ in range(100):
+                    step()
+                return
+            for _ in range(200):
+                with safevars.locked(v):
+                    seen.append(([float(c.numpy()) for c in v.values], v.version))
+
+        run_threads(4, worker)
+        assert len(seen) == 400
+        for copies, version in seen:  # copy r holds version x (r + 1), never half a write
+            assert copies == [float(version * (r + 1)) for r in range(replicas)]
+        assert v.version == 201
 
     def test_scatter_and_compare_and_assign_in_replica_context_are_refused(
         self, mirrored_strategy

@@ -182,3 +182,13 @@ def test_the_interrupt_check_can_fail():
     assert _chain_under_interrupt(
         lambda steps: itertools.starmap(lambda fn, *args: fn(*args), steps)
     ) == (0, 0)
+
+
+def test_keras_export_archive_is_the_class_that_tracks_endpoint_variables():
+    """On every supported Keras, the archive ``keras.export.ExportArchive()`` makes is an
+    instance of the class whose ``_filter_and_track_resources`` safevars patches."""
+    import keras
+
+    cls = _tf_internal.keras_export_archive()
+    assert "_filter_and_track_resources" in vars(cls)
+    assert isinstance(keras.export.ExportArchive(), cls)

@@ -24,7 +24,10 @@ The fix:
   optimizer is made outside the scope (``slots.py``); ``strategy.extended.update`` of a
   SafeVariable is one section counting one version however many replica copies it
   writes (``strategy_updates.py``); ``keras.Variable.assign_add``/``assign_sub`` become
-  atomic updates, and Keras variables checkpoint their versions (``keras_variables.py``).
+  atomic updates, Keras variables checkpoint their versions, and a SavedModel of a
+  function that writes them (``tf.saved_model.save``, ``model.export``, Keras'
+  ``ExportArchive``) exports their locks too (``keras_variables.py``,
+  :mod:`safevars.locking.saved_model`).
 
 These are patches of TensorFlow's and Keras' classes (``patches.py``), installed with
 ``safevars``; they change nothing for variables that are not SafeVariables. A
@@ -61,7 +64,8 @@ NOTES:
     and each version starts at 0 (a SavedModel holds none). The *loaded functions*,
     though, write through the handles they captured when they were saved: those writes
     take neither these variables' locks nor their versions (functions saved from
-    safevars objects keep their own locks among themselves).
+    safevars objects, a model built in the scope included, keep their own locks among
+    themselves).
 
 Where things live:
 

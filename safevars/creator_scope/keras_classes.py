@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from safevars._tf_internal import keras_internal
+from safevars._tf_internal import keras_export_archive, keras_internal
 
 __all__ = ["KerasClasses", "keras_classes"]
 
@@ -24,6 +24,7 @@ class KerasClasses:
         self.variable_class = keras_internal("backend.tensorflow.core").Variable
         self.optimizer_class = keras_internal("backend.tensorflow.optimizer").TFOptimizer
         self.trainer_class = keras_internal("backend.tensorflow.trainer").TensorFlowTrainer
+        self.export_archive_class = keras_export_archive()
 
 
 _CLASSES: list[KerasClasses] = []

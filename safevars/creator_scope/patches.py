@@ -21,7 +21,7 @@ from safevars.creator_scope.creators import reenter_after_reset
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.slots import add_variable_from_reference
 from safevars.creator_scope.strategy_updates import update_under_lock
-from safevars.locking.saved_model import restores_without_versions
+from safevars.locking.saved_model import restores_without_versions, tracks_guarded_state
 
 __all__ = ["install"]
 
@@ -84,7 +84,8 @@ def install() -> None:
             "assign_sub",
             lambda original: keras_variables.read_modify_write(original, "subtract"),
         )
-        _patch(keras.variable_class, "_trackable_children", keras_variables.checkpoint_children)
+        _patch(keras.variable_class, "_trackable_children", keras_variables.trackable_children)
+        _patch(keras.export_archive_class, "_filter_and_track_resources", tracks_guarded_state)
         _KERAS_DONE.append(True)
 
 

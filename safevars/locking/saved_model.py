@@ -14,6 +14,15 @@ would stay uninitialized (the loaded function then failed on its first version a
 A loaded function takes its mutex as the original did: loaded functions that shared a
 lock exclude each other.
 
+Keras' ``ExportArchive`` (``model.export``) does not save the objects its endpoints were
+traced from: just before writing it tracks the variables their graphs used, which are
+the plain ``tf.Variable`` s a SafeVariable wraps, not the SafeVariables that carry these
+resources. :func:`tracks_guarded_state` wraps the archive's method that does it: the
+guards of those variables (found with :func:`~safevars.locking.guard.guard_of`) are
+tracked too, under a ``_safevars`` child, so an endpoint that writes (a layer's state,
+a seed generator's, ``training=True``) exports, whether or not the archive ``track`` s
+the model.
+
 Loading inside :func:`safevars.scope` makes every variable the loader recreates a
 SafeVariable, whose checkpoint children include its version variable; but a SavedModel's
 checkpoint never holds one (it saves the resources above instead, or nothing: a
@@ -36,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from safevars.locking.guard import guard_of
+
 if TYPE_CHECKING:
     from safevars.locking.guard import Guard
 
@@ -46,6 +57,7 @@ __all__ = [
     "saved_guards",
     "saved_mutex",
     "saved_variable",
+    "tracks_guarded_state",
 ]
 
 
@@ -142,6 +154,25 @@ def saved_guards(guards: Iterable[Guard]) -> tf.Module:
     state = tf.Module(name="safevars")
     state.resources = list(resources.values())
     return state
+
+
+def tracks_guarded_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps Keras' ``ExportArchive._filter_and_track_resources`` (see the module
+    docstring): after it, the archive's root also tracks :func:`saved_guards` of the
+    guards of the variables the endpoints use (``_tf_trackable._all_variables``)."""
+
+    @functools.wraps(original)
+    def _filter_and_track_resources(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        root = self._tf_trackable
+        found = (guard_of(v) for v in getattr(root, "_all_variables", ()))
+        guards = {id(g): g for g in found if g is not None}
+        if guards:
+            root._safevars = saved_guards(guards.values())
+        return result
+
+    _filter_and_track_resources._safevars = True  # type: ignore[attr-defined]
+    return _filter_and_track_resources
 
 
 # ------------------------------------------------------------------ loading a SavedModel

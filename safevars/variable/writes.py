@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from safevars._tf_internal import gen_resource_variable_ops, tensor_getitem_override
+from safevars._tf_internal import ds_values, gen_resource_variable_ops, tensor_getitem_override
 from safevars._validation import short
 from safevars.distribute import merge_context, merged_update, merged_write
 from safevars.errors import (
@@ -270,7 +270,7 @@ class _Writes(_SafeVariableFields):
             return merged_write(
                 ctx,
                 wrapped,
-                lambda v: self._assign_op(method, v, argument, use_locking, name, read_value),
+                lambda v: self._merged_assign(method, v, argument, use_locking, name, read_value),
                 tensor,
             )
         handle = self._self_handle
@@ -294,6 +294,33 @@ class _Writes(_SafeVariableFields):
             read_value,
             after=tensor,
         )
+
+    def _merged_assign(
+        self,
+        method: str,
+        value: Any,
+        argument: str,
+        use_locking: bool | None,
+        name: str | None,
+        read_value: bool,
+    ) -> Any:
+        """The write :func:`~safevars.distribute.merged_write` makes in cross-replica
+        context: ``value`` merged, or, for aggregation ``NONE``, each replica's own
+        (``PerReplica``), which the wrapped variable's write hands each copy."""
+        if not isinstance(value, ds_values.PerReplica):
+            return self._assign_op(method, value, argument, use_locking, name, read_value)
+        wrapped_method = getattr(self.__wrapped__, method)
+        done = self._write(
+            lambda: wrapped_method(value, use_locking, name, read_value=False),
+            read_value=False,
+            after=[x for x in value.values if tf.is_tensor(x)],
+        )
+        if not read_value:
+            return done
+        if tf.executing_eagerly():
+            return self._unread(None)
+        with tf.control_dependencies([done]):  # each replica reads back its own copy
+            return ds_values.PerReplica(tuple(c.read_value() for c in self.__wrapped__.values))
 
     def _strided_slice_assign(
         self,

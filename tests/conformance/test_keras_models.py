@@ -133,31 +133,7 @@ EXCLUDED: dict[str, str] = {}
 
 # Tests that run wrapped and fail for a reason of safevars' (strict xfail: a fix shows
 # up as an unexpected pass).
-KNOWN_FAILURES: dict[str, str] = {
-    "TestTFSMLayer.test_call_training": (
-        "exports (ExportArchive) an endpoint that writes a SafeVariable (Dropout's seed "
-        "state, training=True): the traced write captures its lock's mutex, which the "
-        "SavedModel must export with the variable; but Keras tracks the variables an "
-        "endpoint's graph recorded, the wrapped tf.Variables, not the SafeVariables that "
-        "carry the lock's resources: 'references an untracked resource'"
-    ),
-    # The same, in the full set: exported endpoints that update a layer's state or its
-    # seed generator.
-    **{
-        f"ExportSavedModelTest.test_model_with_{what}_export_{kind}": (
-            "as TestTFSMLayer.test_call_training: the exported endpoint writes a "
-            "SafeVariable, whose lock's mutex Keras' ExportArchive does not track"
-        )
-        for what in ("non_trainable_state", "rng")
-        for kind in ("functional", "sequential", "subclass")
-    },
-    "SwapEMAWeightsTest.test_swap_ema_weights_with_tf_distribute": (
-        "under MirroredStrategy the optimizer's EMA copies (aggregation NONE) are written "
-        "in a replica context, which safevars refuses (UnsupportedStrategyError: "
-        "'mirrored with aggregation NONE, so replicas cannot write it inside "
-        "strategy.run'); plain Keras writes them (root cause not analysed yet)"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 # Tests that fail here without safevars too, for a reason of this environment: skipped
 # in both runs (the optional packages below are handled generically).

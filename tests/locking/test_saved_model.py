@@ -181,6 +181,93 @@ def test_keras_export_of_a_model_with_safe_weights_trained_by_safe_optimizer(tmp
     np.testing.assert_allclose(loaded.serve(x), model.predict(x, verbose=0), atol=1e-6)
 
 
+# ------------------------------------------------- Keras layers in the scope whose call writes
+
+
+class _Counter(keras.layers.Layer):
+    """Counts its calls in a non-trainable weight (Keras' own export tests use one)."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False)
+
+    def call(self, x):
+        self.count.assign_add(1)  # in the scope: one locked update of a SafeVariable
+        return x
+
+
+def _counting_model() -> keras.Model:
+    with safevars.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), _Counter()])
+    assert isinstance(model.layers[-1].count.value, safevars.SafeVariable)
+    return model
+
+
+def _calls_exclude_each_other(call, count) -> None:
+    """``call()`` from several threads: each call's read-modify-write of ``count()``
+    takes the loaded lock, so none is lost."""
+    start = count()
+
+    def worker(_):
+        for _ in range(CALLS):
+            call()
+
+    run_threads(THREADS, worker)
+    assert count() == start + THREADS * CALLS
+
+
+def test_a_keras_layer_whose_call_writes_its_state_is_exported(tmp_path):
+    """tf.saved_model.save finds a layer's weights through the keras.Variable, not the
+    SafeVariable it holds: the mutex its traced write captures was untracked until the
+    Keras variable named it (creator_scope/keras_variables.py)."""
+    model = _counting_model()
+    module = tf.Module()
+    module.model, module.count = model, model.layers[-1].count
+    module.call = tf.function(lambda x: model(x), input_signature=[tf.TensorSpec([None, 3])])
+    x = tf.ones([2, 3])
+    module.call(x)
+    loaded = _save_and_load(module, tmp_path)
+    counter = loaded.count
+    assert int(counter.numpy()) == 1  # the value when saved
+    np.testing.assert_allclose(loaded.call(x), model(x), atol=1e-6)
+    assert int(counter.numpy()) == 2
+    _calls_exclude_each_other(lambda: loaded.call(x), lambda: int(counter.numpy()))
+    assert int(model.layers[-1].count.numpy()) == 2  # the original: its own two calls
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
+def test_an_export_archive_endpoint_that_writes(tmp_path, tracked):
+    """Keras' ExportArchive tracks the variables its endpoints used: the plain variables
+    the SafeVariables wrap. Without track(model) nothing else reaches what the endpoint's
+    write captures (safevars.locking.saved_model.tracks_guarded_state); with it, the
+    Keras variables name it too."""
+    model = _counting_model()
+    archive = keras.export.ExportArchive()
+    if tracked:
+        archive.track(model)
+    archive.add_endpoint("serve", model.__call__, input_signature=[tf.TensorSpec([None, 3])])
+    archive.write_out(os.fspath(tmp_path / "exported"), verbose=False)
+    loaded = tf.saved_model.load(os.fspath(tmp_path / "exported"))
+    x = tf.ones([2, 3])
+    np.testing.assert_allclose(loaded.serve(x), model(x), atol=1e-6)
+    # The counter: the endpoint's last variable (Keras' loaded archive writes the copy
+    # of the Keras variable when the model was tracked, else that of the tf.Variable).
+    count = (loaded.variables if tracked else loaded._all_variables)[-1]
+    assert count.dtype == tf.int32
+    _calls_exclude_each_other(lambda: loaded.serve(x), lambda: int(count.numpy()))
+
+
+def test_an_export_archive_endpoint_that_writes_a_safe_variable(tmp_path):
+    """The same for a SafeVariable made by hand that an endpoint writes."""
+    v = safevars.SafeVariable(0.0)
+    archive = keras.export.ExportArchive()
+    archive.add_endpoint("bump", lambda: v.update(lambda x: x + 1.0), input_signature=[])
+    archive.write_out(os.fspath(tmp_path / "exported"), verbose=False)
+    loaded = tf.saved_model.load(os.fspath(tmp_path / "exported"))
+    (copy,) = loaded._all_variables
+    _calls_exclude_each_other(loaded.bump, lambda: float(copy.numpy()))
+    assert v.version == 0 and float(v.numpy()) == 0.0  # the loaded copy is its own
+
+
 # ---------------------------------------------------------------------- loading in a scope
 
 

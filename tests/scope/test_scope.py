@@ -275,6 +275,51 @@ def test_fit_under_mirrored_strategy_counts_each_update_once(mirrored_strategy, 
         assert all(np.array_equal(copies[0], c) for c in copies[1:]), variable.path
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["ema", "ema_swapped_by_callback"])
+def test_fit_under_mirrored_strategy_with_ema(mirrored_strategy, swap):
+    """Keras' EMA copies (``use_ema=True``) are mirrored with aggregation NONE and
+    written inside each replica's step, each replica its own copy: safevars refused
+    that write (UnsupportedStrategyError). Now every copy is written as without
+    safevars, in one locked write counting one version per step; SwapEMAWeights, which
+    swaps weights and copies in cross-replica context, gives the plain model's result."""
+
+    def build():
+        model = make_model()
+        optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        return model, optimizer
+
+    with mirrored_strategy.scope(), scope():
+        model, optimizer = build()
+    with mirrored_strategy.scope():
+        plain_model, plain_optimizer = build()
+    x, y = data()
+
+    def fit(model):
+        callbacks = [keras.callbacks.SwapEMAWeights(swap_on_epoch=True)] if swap else []
+        return model.fit(
+            x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        ).history
+
+    with mirrored_strategy.scope():
+        assert fit(model) == fit(plain_model)
+    averages = optimizer._model_variables_moving_average
+    assert averages and all(type(backing(v)) is safevars.SafeVariable for v in averages)
+    pairs = [*zip(model.weights, plain_model.weights)]
+    pairs += zip(averages, plain_optimizer._model_variables_moving_average)
+    for got, want in pairs:
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for variable in averages:  # every replica's copy alike, as without safevars
+        copies = [c.numpy() for c in backing(variable).values]
+        assert all(np.array_equal(copies[0], c) for c in copies[1:]), variable.path
+    if not swap:  # (the callback's swaps count versions of their own)
+        steps = 2 * STEPS_PER_EPOCH
+        assert versions(averages) == [steps] * len(averages)
+        # fit ends by writing the averages into the weights (finalize_variable_values).
+        weights = model.trainable_variables
+        assert versions(weights) == [steps + 1] * len(weights)
+
+
 @pytest.mark.parametrize("strategy", ["none", "mirrored"])
 def test_fit_with_safe_optimizer_counts_each_step_once(strategy, mirrored_strategy):
     context = mirrored_strategy.scope if strategy == "mirrored" else contextlib.nullcontext
