@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -169,8 +170,9 @@ def test_asynchronous_exceptions_into_multi_variable_sections():
 
 _SIGINT_CHILD = textwrap.dedent(
     """
-    import os, sys, json, threading
+    import faulthandler, os, signal, sys, json, threading
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump
     import safevars
 
     v = safevars.SafeVariable(0.0)
@@ -207,42 +209,54 @@ _SIGINT_CHILD = textwrap.dedent(
 
 def test_sigint_in_a_process_never_orphans_a_lock():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(
-        [sys.executable, "-c", _SIGINT_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    rng = random.Random(3)
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SIGINT_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        rng = random.Random(3)
 
-    def next_line(limit: float) -> str | None:
-        ready, _, _ = select.select([child.stdout], [], [], limit)
-        return child.stdout.readline().strip() if ready else None
+        def next_line(limit: float) -> str | None:
+            ready, _, _ = select.select([child.stdout], [], [], limit)
+            return child.stdout.readline().strip() if ready else None
 
-    try:
-        assert next_line(120) == "ready"
-        for _ in range(40):
-            time.sleep(rng.random() * 0.02)
-            # CPython can run the SIGINT handler inside some object's finalizer, which
-            # swallows the KeyboardInterrupt ("Exception ignored in ..."): send again.
-            for _attempt in range(5):
-                child.send_signal(signal.SIGINT)
-                line = next_line(10)
-                if line is not None:
-                    break
-            assert line == "ready", f"the child stopped answering ({line!r})"
-        child.stdin.write("stop\n")
-        child.stdin.flush()
-        result = json.loads(next_line(180) or "{}")
-        assert child.wait(timeout=120) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert result["interrupts"] == 40
-    assert not result["locked"] and result["held"] == 0
-    assert result["value"] == result["version"] > 0
+        def child_state() -> str:
+            """The child's threads' stacks (faulthandler) and whatever it printed."""
+            if child.poll() is None:
+                child.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+            stderr.seek(0)
+            return stderr.read()[-6000:]
+
+        try:
+            assert next_line(120) == "ready", child_state()
+            for sent in range(40):
+                time.sleep(rng.random() * 0.02)
+                # CPython can run the SIGINT handler inside some object's finalizer, which
+                # swallows the KeyboardInterrupt ("Exception ignored in ..."): send again.
+                for _attempt in range(5):
+                    child.send_signal(signal.SIGINT)
+                    line = next_line(10)
+                    if line is not None:
+                        break
+                assert line == "ready", (
+                    f"the child stopped answering after {sent} interrupts ({line!r}); "
+                    f"its stacks and output:\n{child_state()}"
+                )
+            child.stdin.write("stop\n")
+            child.stdin.flush()
+            result = json.loads(next_line(180) or "{}")
+            assert child.wait(timeout=120) == 0, child_state()
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert result["interrupts"] == 40
+        assert not result["locked"] and result["held"] == 0
+        assert result["value"] == result["version"] > 0
 
 
 def _in_thread(fn, name: str = "holder") -> threading.Thread:
