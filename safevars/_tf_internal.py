@@ -55,7 +55,7 @@ from tensorflow.python.ops import (
     tensor_getitem_override,
 )
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable, variable_accessed
-from tensorflow.python.util import nest, object_identity
+from tensorflow.python.util import _pywrap_utils, nest, object_identity
 
 # The versions the test suite runs against, (major, minor), oldest and newest, both
 # included: the same ranges as pyproject.toml's dependencies and requires-python
@@ -213,6 +213,7 @@ __all__ = [
     "read_eagerly",
     "read_value_op",
     "resource_variable_ops",
+    "same_answer_for_every_proxy",
     "saved_model_loader",
     "sharded_variable",
     "tensor_conversion_registry",
@@ -282,6 +283,18 @@ class _ByIdentity(_default_trace_types.Weakref):
             return value
         raise ValueError(f"Can not cast {value!r} to {self!r}")
 
+    def placeholder_value(self, placeholder_context: Any) -> Any:
+        # The object itself; a resource variable's handle is captured now, so the traced
+        # graph takes it as the input ``to_tensors`` passes (TensorFlow turns a variable
+        # argument's captured handle into an input), used by the body or not.
+        value = self._ref()
+        graph = ops.get_default_graph()
+        if isinstance(value, resource_variable_ops.BaseResourceVariable) and isinstance(
+            graph, FuncGraph
+        ):
+            graph.capture(value.handle)
+        return value
+
     def flatten(self) -> list[Any]:
         if isinstance(self._ref(), resource_variable_ops.BaseResourceVariable):
             return [tf.TensorSpec([], tf.resource)]
@@ -305,6 +318,26 @@ class _ByIdentity(_default_trace_types.Weakref):
 
     def __repr__(self) -> str:
         return f"ByIdentity[{type(self._ref()).__name__} at {self._ref_hash:#x}]"
+
+
+def same_answer_for_every_proxy(proxy_type: Any, wrap: Callable[[Any, Any], None]) -> None:
+    """TensorFlow's C++ check "is this a resource variable?" answers for ``proxy_type``
+    as for a ``ResourceVariable``, whatever proxy it is first asked about.
+
+    The check (``_pywrap_utils.IsResourceVariable``, which ``tf.function`` uses to
+    flatten its arguments) caches its answer per Python type. Every SafeVariable has one
+    type, the proxy's, over variables of several classes: a ``ResourceVariable``, a
+    variable created while tracing (``UnliftedInitializerVariable``: "no"), a mirrored
+    one ("no"). So the first SafeVariable TensorFlow asked about decided for all, and
+    after a SafeVariable created inside a ``tf.function`` every SafeVariable passed as a
+    ``tf.function`` argument failed ("Tensor.op is undefined when eager execution is
+    enabled"). Asked first here, with a proxy (``wrap(proxy, wrapped)`` makes one) of a
+    bare ``ResourceVariable`` object, no TensorFlow runtime involved, the answer is
+    "yes" for every SafeVariable, which :func:`opaque_trace_type` expects.
+    """
+    proxy: Any = proxy_type.__new__(proxy_type)
+    wrap(proxy, object.__new__(ResourceVariable))
+    _pywrap_utils.IsResourceVariable(proxy)
 
 
 def opaque_trace_type(value):

@@ -9,8 +9,9 @@ a model with SafeVariable-backed weights gets a train step that is one critical 
 over every safe variable it may write (the model's, its optimizer's, its metrics'; one
 lock in the scope), taken before the forward pass. Concurrent ``fit`` steps are then
 serializable, and a traced step holds one ``MutexLock`` however many variables the model
-has. The optimizer is built before the section, as its first update would build it
-inside, so a :class:`~safevars.SafeOptimizer` joins its bookkeeping to the model's lock.
+has. The optimizer of a built model is built before the section, as its first update
+would build it inside, so a :class:`~safevars.SafeOptimizer` joins its bookkeeping to the
+model's lock.
 
 Also for any model: ``fit`` traces its step again when ``model.optimizer`` was made safe
 (its class changed) since the step was traced, so an optimizer made safe between two
@@ -68,7 +69,10 @@ class LockedTrainStep:
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             return self.step(data)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and not optimizer.built:
+        if optimizer is not None and not optimizer.built and self.model.built:
+            # Only for a built model: a subclassed one is built by its first traced step
+            # (Keras defers it there without a strategy), and an optimizer built before
+            # would know only the weights made so far ("Unknown variable" after).
             with tf.init_scope():
                 optimizer.build(self.model.trainable_variables)
         guards = step_guards(self.model)

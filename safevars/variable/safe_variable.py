@@ -53,6 +53,7 @@ from safevars._tf_internal import (
     opaque_trace_type,
     ops,
     resource_variable_ops,
+    same_answer_for_every_proxy,
     tensor_conversion_registry,
 )
 from safevars.distribute import check_strategy
@@ -345,6 +346,9 @@ def _to_tensor(
 
 
 tensor_conversion_registry.register_tensor_conversion_function(SafeVariable, _to_tensor)
+# Every SafeVariable passed to a tf.function is flattened alike, whichever TensorFlow saw
+# first (opaque_trace_type).
+same_answer_for_every_proxy(SafeVariable, wrapt.ObjectProxy.__init__)
 
 
 def _constructor_signature() -> inspect.Signature:

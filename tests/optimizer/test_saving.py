@@ -182,7 +182,10 @@ class TestSameStateSameFiles:
         fit(model)
         reference = compiled(keras.optimizers.Adam(0.01))
         fit(reference, epochs=2)
-        model.compile(optimizer=SafeOptimizer(model.optimizer), loss="mse")
+        # (It warns: fit traced the plain update; this compile is what the warning asks.)
+        with pytest.warns(UserWarning, match="made safe after a tf.function traced"):
+            made_safe = SafeOptimizer(model.optimizer)
+        model.compile(optimizer=made_safe, loss="mse")
         fit(model)
         assert_same_training(reference, model)
         assert model.optimizer.statistics().calls == 8

@@ -1,7 +1,8 @@
 """Common mistakes a new user makes, each working with the guarantees (issue 36).
 
 * A SafeVariable passed as an *argument* of a ``tf.function`` (not captured): locked and
-  counted inside, as when captured.
+  counted inside, as when captured, used by the function or not, also after a
+  SafeVariable was created while tracing.
 * An optimizer made safe after ``fit`` traced its plain step: the next ``fit`` traces the
   step again (the SafeOptimizer's step runs and counts), and the call warns about
   functions the user traced.
@@ -17,6 +18,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -60,6 +63,58 @@ def test_a_safe_variable_passed_as_an_argument_is_locked_and_counted(jit_compile
     assert float(w.numpy()) == 12.0 and w.version == 1
     run_threads(4, lambda _: [add(v, 1.0) for _ in range(25)])
     assert float(v.numpy()) == 105.0 and v.version == 105
+
+
+def test_a_safe_variable_argument_the_function_does_not_use():
+    v = safevars.SafeVariable(1.0)
+
+    @tf.function
+    def double(variable, amount):
+        return amount * 2.0
+
+    assert float(double(v, 3.0)) == 6.0 and float(double(v, 4.0)) == 8.0
+    assert v.version == 0
+
+
+_ARGUMENT_AFTER_TRACED_CREATION = """
+import tensorflow as tf, safevars
+holder = []
+
+@tf.function
+def create():  # a SafeVariable created while tracing: TensorFlow's first look at one
+    if not holder:
+        holder.append(safevars.SafeVariable(1.0))
+    return holder[0].assign_add(1.0)
+
+create()
+
+@tf.function
+def add(variable, amount):
+    variable.assign_add(amount)
+
+v = safevars.SafeVariable(0.0)
+for _ in range(3):
+    add(v, 1.0)
+add(holder[0], 1.0)
+print(float(v.numpy()), v.version, float(holder[0].numpy()), holder[0].version)
+"""
+
+
+def test_a_safe_variable_argument_works_after_one_was_created_while_tracing():
+    """TensorFlow's C++ "is a resource variable" check caches its answer per Python
+    type, and all SafeVariables share one: the first one TensorFlow looked at decided
+    for all. After a SafeVariable created inside a tf.function (not a ResourceVariable
+    underneath), every SafeVariable argument failed ("Tensor.op is undefined"). A fresh
+    process, since the cache lives as long as the process."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ARGUMENT_AFTER_TRACED_CREATION],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["3.0", "3", "3.0", "2"]
 
 
 def test_an_optimizer_made_safe_between_two_fits_runs_its_safe_step():

@@ -193,6 +193,36 @@ def test_fit_with_a_plain_optimizer_counts_each_step_once(how, name):
     assert backing(optimizer.iterations).version == steps
 
 
+class LazyModel(keras.Model):
+    """A subclassed model with a weight of its own made at once and a layer built by
+    its first call: Keras builds it (and the optimizer) in the first traced step."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("how", ["eager", "tf_function"])
+@pytest.mark.parametrize("safe_optimizer", [False, True], ids=["plain", "safe"])
+def test_fit_of_a_model_built_by_its_first_step(how, safe_optimizer):
+    """The train step's section built the optimizer before the step, when only the
+    model's own weight existed: the step then failed ("Unknown variable" for the Dense
+    kernel). A model not yet built is left to build itself, and its optimizer with it."""
+    with scope():  # (fit in the block: the weights are made by its first step)
+        model = LazyModel()
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer = safevars.SafeOptimizer(optimizer) if safe_optimizer else optimizer
+        steps = _fit(model, optimizer, run_eagerly=how == "eager")
+    assert versions(model.dense.weights) == [steps] * 2
+    assert int(optimizer.iterations.numpy()) == steps
+    if safe_optimizer:
+        assert optimizer.statistics().calls == steps
+
+
 def _embedding_model() -> keras.Model:
     return keras.Sequential(
         [
