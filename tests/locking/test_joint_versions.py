@@ -66,7 +66,8 @@ def test_joint_steps_partial_steps_and_single_writes_each_count_their_own_writes
 
     for _ in range(3):
         full()
-    partial()
+    with pytest.warns(UserWarning, match="Gradients do not exist"):  # Keras', at trace
+        partial()
     single_write()
     single_write()
     grads = [tf.zeros_like(v) for v in model.trainable_variables]
