@@ -112,16 +112,7 @@ class DeclaredSignatures(griffe.Extension):
                 continue
             function = function.final_target if function.is_alias else function
             cls = cls.final_target if cls.is_alias else cls
-            self_parameter = griffe.Parameter(
-                "self", kind=griffe.ParameterKind.positional_or_keyword
-            )
-            init = griffe.Function(
-                "__init__",
-                parameters=griffe.Parameters(self_parameter, *function.parameters),
-                returns=None,
-                lineno=function.lineno,
-                endlineno=function.endlineno,
-            )
+            init = _init(function.parameters, function.lineno, function.endlineno)
             cls.set_member("__init__", init)
 
 
@@ -143,7 +134,7 @@ def _init_from(declared: inspect.Signature, line: int) -> griffe.Function:
         inspect.Parameter.KEYWORD_ONLY: griffe.ParameterKind.keyword_only,
         inspect.Parameter.VAR_KEYWORD: griffe.ParameterKind.var_keyword,
     }
-    parameters = [griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)]
+    parameters = []
     for parameter in declared.parameters.values():
         annotation = parameter.annotation
         parameters.append(
@@ -156,10 +147,16 @@ def _init_from(declared: inspect.Signature, line: int) -> griffe.Function:
                 default=_default_text(parameter.default),
             )
         )
+    return _init(parameters, line, line)
+
+
+def _init(parameters: Any, lineno: Any, endlineno: Any) -> griffe.Function:
+    """An ``__init__`` for griffe: ``self``, then ``parameters``."""
+    self_parameter = griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)
     return griffe.Function(
         "__init__",
-        parameters=griffe.Parameters(*parameters),
+        parameters=griffe.Parameters(self_parameter, *parameters),
         returns=None,
-        lineno=line,
-        endlineno=line,
+        lineno=lineno,
+        endlineno=endlineno,
     )
