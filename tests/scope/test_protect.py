@@ -328,6 +328,7 @@ def test_a_subclassed_model_made_in_the_scope_keeps_protection_when_built_outsid
         compiled(model)
     if how == "call":
         model(x[:1])
+        assert len(locks_of(model)) == 1  # built by the call, outside the block
     model.fit(x, y, batch_size=BATCH, epochs=25, verbose=0)  # 100 steps
     assert len(locks_of(model)) == 1
     assert [s.version for s in safevars.snapshot(model)] == [100] * 4
