@@ -246,7 +246,11 @@ def test_plain_keras_variables_and_layers_share_the_wrap_lock(mode):
     layer.build((None, 3))
     safe = safevars.wrap(plain)
     mode(lambda: safe.assign_add(1.0))()
-    out = mode(lambda: safevars.snapshot({"plain": plain, "layer": layer}))()
+    # A plain layer's weights are wrapped on the fly when named explicitly; the layer
+    # itself is refused (NotProtectedError: its Keras writes would not be locked).
+    with pytest.raises(safevars.NotProtectedError, match=r"safevars.protect\(layer\)"):
+        mode(lambda: safevars.snapshot({"plain": plain, "layer": layer}))()
+    out = mode(lambda: safevars.snapshot({"plain": plain, "layer": layer.weights}))()
     if mode.name == "eager":
         assert out["plain"].version == 1 and float(out["plain"].value) == 2.0
         assert [s.name for s in out["layer"]] == [w.value.name for w in layer.weights]

@@ -25,6 +25,7 @@ from safevars.errors import LockOrderError
 from safevars.locking import Guard, SectionLock, sorted_locks
 from safevars.sections import coarsening
 from safevars.sections.gate import Ungated, open_gate
+from safevars.sections.reentry import record_graph_locks
 from safevars.sections.tracing import (
     _enclosing_sections,
     _graph_held,
@@ -224,6 +225,7 @@ def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> list[tf.Tensor]:
     for lock in new:
         with tf.control_dependencies(locks[-1:] if locks else inputs):
             locks.append(tfi.mutex_lock(lock.cs._handle))
+    record_graph_locks(tfi.default_graph(), new)  # an eager holder must not call it
     return locks
 
 

@@ -181,7 +181,9 @@ def test_a_scope_model_recompiled_with_a_safe_optimizer_trains_in_one_section():
     assert versions(model.trainable_variables) == [8] * len(model.trainable_variables)
     slots = [v for v in safe.variables if isinstance(v.value, safevars.SafeVariable)]
     locks = {safevars.wrap(v).guard.lock for v in model.weights + slots}
-    assert len(slots) == 2 * len(model.weights)  # Adam's two moments, made safe
+    # Adam's two moments per weight, its iterations and learning rate: compiling a model
+    # made in the scope protects the optimizer it is given.
+    assert len(slots) == len(safe.variables) == 2 * len(model.weights) + 2
     assert locks == {safevars.wrap(safe.safevars_state.statistics).guard.lock}  # one, shared
 
 
