@@ -1,11 +1,16 @@
 """The happens-before analysis: vector clocks, lock sets and the race detector.
 
-Per thread, a vector clock advanced by program order, ``Thread.start`` and a finished
-``Thread.join`` (:class:`_Session`); per access, the locks and section instances that
-protect it (:func:`_eager_protection`, and the traced sections of ``tf_function.py``);
-per audit, a :class:`_Detector` that pairs each thread's read-modify-write windows and
-blind writes with the unordered writes of other threads and records the races, observed
-or predicted. The detection rule is stated in the package docstring
+Per thread, a vector clock advanced by program order and by every synchronization the
+audit sees (:class:`_Session`): ``Thread.start``/``join``, and the clocks that the
+standard library's primitives carry from a release to an acquire (``sync.py`` calls
+:meth:`_Session.publish` and :meth:`_Session.merge`). Per access, the locks and section
+instances that protect it (:func:`_eager_protection`, and the traced sections of
+``tf_function.py``), and its *run*: the accesses a thread makes between two
+synchronization operations, or in one ``tf.function`` call (:class:`_Run`). Per audit, a
+:class:`_Detector` that pairs each thread's read-modify-write windows and blind writes
+with the unordered writes of other threads, and each thread's reads of several variables
+with the updates other threads make of them, and records the races, observed or
+predicted. The detection rules are stated in the package docstring
 (``safevars/audit/__init__.py``).
 """
 
@@ -19,68 +24,168 @@ import weakref
 from typing import Any
 
 from safevars import locking
-from safevars.audit.report import CONCURRENT_WRITE, LOST_UPDATE, OBSERVED, PREDICTED, Race
+from safevars.audit.report import (
+    CONCURRENT_WRITE,
+    LOST_UPDATE,
+    OBSERVED,
+    PREDICTED,
+    TORN_READ,
+    Race,
+    fix_for,
+)
 
 _READ = 0
 _WRITE = 1
-_VALIDATED_WRITE = 2  # A write that checked, under the lock, that no write intervened.
+# A write that is not based on an earlier read of the variable: ``compare_and_assign``
+# checked, under the lock, that no write intervened; Keras' metric resets and
+# ``set_weights`` write values that do not come from a read.
+_VALIDATED_WRITE = 2
 
 _EMPTY: frozenset[Any] = frozenset()
 _SEQ = itertools.count(1)  # next() on itertools.count is atomic under the GIL.
 _SECTION_IDS = itertools.count(1)
+_UNIT_IDS = itertools.count(1)  # one per snapshot call: its reads are one consistent unit
 
 # Guards every detector, ``active._ACTIVE`` and the traced-function summaries.
 _DETECT_LOCK = threading.Lock()
+
+Clock = dict[int, int]
 
 
 # ---------------------------------------------------------------------- threads, clocks
 
 
+def _join(mine: Clock | None, other: Clock) -> Clock:
+    """The pointwise maximum of two vector clocks; ``mine`` itself when ``other`` adds
+    nothing. Clocks are never changed in place (accesses keep the clock they were made
+    at), so the result may share ``other``."""
+    if not mine:
+        return other
+    merged = None
+    for tid, clock in other.items():
+        if mine.get(tid, 0) < clock:
+            if merged is None:
+                merged = dict(mine)
+            merged[tid] = clock
+    return mine if merged is None else merged
+
+
+class _Run:
+    """The accesses one thread makes between two synchronization operations, or during
+    one ``tf.function`` call: they all share the thread's vector clock.
+
+    A run's writes of several variables are one *update* that other threads can see
+    half-done; its reads of several variables are one *view* that can be torn (see the
+    detector). Each active audit keeps its own record of the run in ``views``.
+    """
+
+    __slots__ = ("tid", "tname", "clock", "vc", "views")
+
+    def __init__(self, state: _ThreadState) -> None:
+        self.tid = state.tid
+        self.tname = state.name
+        self.vc = state.vc
+        self.clock = state.vc[state.tid]
+        self.views: dict[Any, _RunView] = {}
+
+
 class _ThreadState:
-    """Per-thread audit state: a vector clock and the critical sections being executed."""
+    """Per-thread audit state: a vector clock, the current run and the critical sections
+    being executed."""
 
-    __slots__ = ("tid", "name", "vc", "sections", "write_depth", "__weakref__")
+    __slots__ = ("tid", "name", "vc", "sections", "write_depth", "run", "unit", "__weakref__")
 
-    def __init__(self, tid: int, name: str, inherited: dict[int, int]) -> None:
+    def __init__(self, tid: int, name: str, inherited: Clock) -> None:
         self.tid = tid
         self.name = name
         # Vector clocks are never mutated in place: a new dict replaces the old one, so
         # an access can keep a reference to the clock it was made at.
-        self.vc: dict[int, int] = {**inherited, tid: 1}
+        self.vc: Clock = {**inherited, tid: 1}
         # (lock key, section instance, graph or None) for every CriticalSection.execute
         # this thread is inside, eager (graph None) or being traced.
         self.sections: list[tuple[int, int, Any]] = []
         self.write_depth = 0
+        self.run: _Run | None = None  # None: the next access starts a new run
+        self.unit: int | None = None  # the snapshot call being taken, if any
+
+    def current_run(self) -> _Run:
+        run = self.run
+        if run is None:
+            run = self.run = _Run(self)
+        return run
+
+    def advance(self) -> None:
+        """A release: later accesses of this thread are not ordered before what the
+        released clock reaches."""
+        self.vc = {**self.vc, self.tid: self.vc[self.tid] + 1}
+        self.run = None
+
+    def absorb(self, clock: Clock | None) -> None:
+        """An acquire: everything ``clock`` covers happens before this thread's next
+        access. Ends the run either way (a synchronization point)."""
+        self.run = None
+        if clock:
+            self.vc = _join(self.vc, clock)
 
 
 class _Session:
-    """Happens-before state shared by every audit active at the same time."""
+    """Happens-before state shared by every audit active at the same time.
+
+    Synchronization objects carry clocks keyed by ``(id(object), part)``; the objects
+    are kept alive for the session so that an id is never reused for another one.
+    """
 
     def __init__(self) -> None:
         self.local = threading.local()
         self.ids = itertools.count(1)
-        self.forks: weakref.WeakKeyDictionary[threading.Thread, dict[int, int]] = (
+        self.forks: weakref.WeakKeyDictionary[threading.Thread, Clock] = (
             weakref.WeakKeyDictionary()
         )
         self.states: weakref.WeakKeyDictionary[threading.Thread, _ThreadState] = (
             weakref.WeakKeyDictionary()
         )
-        # id(handle) -> (handle, name) of every variable seen. Variables are keyed by the
-        # id of their resource handle (shared by ``_UnreadVariable`` results and by the
-        # arguments a traced function receives); holding the handle keeps the id unique
-        # for the whole session.
-        self.handles: dict[int, tuple[Any, str | None]] = {}
+        # id(handle) -> [handle, name shown, Keras path lookups left]. Variables are
+        # keyed by the id of their resource handle (shared by ``_UnreadVariable`` results
+        # and by the arguments a traced function receives); holding the handle keeps
+        # the id unique for the whole session.
+        self.handles: dict[int, list[Any]] = {}
         self.names: set[str] = set()
         self.names_lock = threading.Lock()
+        # The clocks of synchronization objects, and of queued items per (queue, item).
+        self.clocks: dict[tuple[int, Any], Clock] = {}
+        self.items: dict[tuple[int, int], list[Clock]] = {}
+        self.kept: dict[int, Any] = {}
+        self.sync_lock = threading.Lock()
+        # Undo functions of the references the audit swapped (``adopting.py``), run in
+        # reverse order when the last audit ends.
+        self.restores: list[Any] = []
 
-    def register(self, handle: Any, name: str | None) -> None:
+    # -- variables
+
+    def register(self, handle: Any, name: str | None, path: str | None = None) -> None:
         known = self.handles.get(id(handle))
-        if known is None or (name and not known[1]):
-            self.handles[id(handle)] = (handle, name)
+        if known is None:
+            self.handles[id(handle)] = [handle, path or name, 0 if path else _PATH_LOOKUPS]
+        elif path and known[2]:
+            known[1], known[2] = path, 0
+        elif name and not known[1]:
+            known[1] = name
 
     def name_of(self, key: int) -> str | None:
         known = self.handles.get(key)
         return known[1] if known else None
+
+    def wants_path(self, key: int) -> bool:
+        """Whether a lookup of the variable's Keras path is still worth a try."""
+        known = self.handles.get(key)
+        if known is None:
+            return True
+        if known[2] > 0:
+            known[2] -= 1
+            return True
+        return False
+
+    # -- threads
 
     def state(self) -> _ThreadState:
         try:
@@ -103,18 +208,80 @@ class _Session:
     def fork(self, child: threading.Thread) -> None:
         parent = self.state()
         self.forks[child] = parent.vc
-        parent.vc = {**parent.vc, parent.tid: parent.vc[parent.tid] + 1}
+        parent.advance()
 
     def joined(self, child: threading.Thread) -> None:
         finished = self.states.get(child)
-        if finished is None:
-            return
         me = self.state()
-        merged = dict(me.vc)
-        for tid, clock in finished.vc.items():
-            if merged.get(tid, 0) < clock:
-                merged[tid] = clock
-        me.vc = merged
+        me.absorb(finished.vc if finished is not None else None)
+
+    # -- synchronization objects
+
+    def publish(self, obj: Any, part: Any = None) -> None:
+        """A release of ``obj``: whoever later merges it is ordered after this point."""
+        state = self.state()
+        key = (id(obj), part)
+        with self.sync_lock:
+            self.kept.setdefault(id(obj), obj)
+            self.clocks[key] = _join(self.clocks.get(key), state.vc)
+        state.advance()
+
+    def merge(self, obj: Any, part: Any = None) -> None:
+        """An acquire of ``obj``: ordered after every earlier :meth:`publish` of it."""
+        self.state().absorb(self.clocks.get((id(obj), part)))
+
+    def move(self, obj: Any, source: Any, target: Any) -> None:
+        """Moves the clock of ``(obj, source)`` to ``(obj, target)`` (a barrier's
+        arrivals become what its departures see)."""
+        with self.sync_lock:
+            clock = self.clocks.pop((id(obj), source), None)
+            self.clocks[(id(obj), target)] = clock or {}
+
+    def hand_off(self) -> Clock:
+        """This thread's clock for one later :meth:`receive` (a submitted task)."""
+        state = self.state()
+        clock = state.vc
+        state.advance()
+        return clock
+
+    def receive(self, clock: Clock | None) -> None:
+        self.state().absorb(clock)
+
+    def put_item(self, queue: Any, item: Any) -> None:
+        """``item`` goes into ``queue``: its ``get`` is ordered after this point."""
+        clock = self.hand_off()
+        with self.sync_lock:
+            self.kept.setdefault(id(queue), queue)
+            self.items.setdefault((id(queue), id(item)), []).append(clock)
+
+    def unput_item(self, queue: Any, item: Any) -> None:
+        """A ``put`` that failed (``Full``): its clock is taken back."""
+        with self.sync_lock:
+            clocks = self.items.get((id(queue), id(item)))
+            if clocks:
+                clocks.pop()
+                if not clocks:
+                    del self.items[(id(queue), id(item))]
+
+    def take_item(self, queue: Any, item: Any) -> None:
+        """``item`` came out of ``queue``. An object queued several times is not told
+        apart: the getter is ordered after every put of it still pending."""
+        with self.sync_lock:
+            clocks = self.items.get((id(queue), id(item)))
+            if not clocks:
+                merged = None
+            else:
+                merged = clocks[0]
+                for clock in clocks[1:]:
+                    merged = _join(merged, clock)
+                clocks.pop(0)
+                if not clocks:
+                    del self.items[(id(queue), id(item))]
+        self.state().absorb(merged)
+
+
+# How many accesses of a variable may look for the Keras variable behind it.
+_PATH_LOOKUPS = 8
 
 
 # ---------------------------------------------------------------------- accesses
@@ -131,13 +298,16 @@ class _Access:
     tid: int
     tname: str
     clock: int
-    vc: dict[int, int]
+    vc: Clock
     begin: int
     end: int
     locks: frozenset[Any]
     sections: frozenset[Any]
     family: str | None
     context: str
+    run: _Run
+    unit: Any  # reads of one snapshot call share it; None: the read is its own unit
+    api: str | None  # the Keras call the access came from (``"train_on_batch"``)
 
     @classmethod
     def record(
@@ -146,34 +316,39 @@ class _Access:
         var: Any,
         name: str | None,
         site: str,
-        state: _ThreadState,
+        run: _Run,
         begin: int,
         end: int,
         locks: frozenset[Any],
         sections: frozenset[Any],
         family: str | None,
         context_name: str,
+        unit: Any = None,
+        api: str | None = None,
     ) -> _Access:
-        """The access ``state``'s thread makes now (its clock and vector clock)."""
+        """The access the thread of ``run`` makes now (the run's clocks)."""
         return cls(
             kind,
             var,
             name,
             site,
-            state.tid,
-            state.name,
-            state.vc[state.tid],
-            state.vc,
+            run.tid,
+            run.tname,
+            run.clock,
+            run.vc,
             begin,
             end,
             locks,
             sections,
             family,
             context_name,
+            run,
+            unit,
+            api,
         )
 
 
-def _happens_before(access: _Access, vc: dict[int, int]) -> bool:
+def _happens_before(access: _Access, vc: Clock) -> bool:
     """Whether ``access`` happens before the point of a thread whose clock is ``vc``."""
     return access.clock <= vc.get(access.tid, 0)
 
@@ -195,6 +370,10 @@ def _eager_protection(state: _ThreadState) -> tuple[frozenset[Any], frozenset[An
     return frozenset(locks), frozenset(instances)
 
 
+def _lock_keys(instances: frozenset[Any]) -> set[Any]:
+    return {s[0] for s in instances}
+
+
 # ---------------------------------------------------------------------- the detector
 
 
@@ -208,8 +387,50 @@ class _Window:
         self.protect = frozenset(s[0] for s in read.sections & write.sections)
 
 
+class _ReadMark:
+    """A run's reads of one variable: their units (at most two kept: enough to tell a
+    view from a snapshot), the section instances common to all of them, the first site."""
+
+    __slots__ = ("units", "sections", "first", "end")
+
+    def __init__(self, access: _Access) -> None:
+        self.units = [access if access.unit is None else access.unit]
+        self.sections = access.sections
+        self.first = access
+        self.end = access.end
+
+    def add(self, access: _Access) -> None:
+        unit = access if access.unit is None else access.unit
+        if len(self.units) < 2 and unit != self.units[0]:
+            self.units.append(unit)
+        if self.sections:
+            self.sections = self.sections & access.sections
+        self.end = access.end
+
+
+class _Update:
+    """A run's writes made under the same section instances: one update (the latest
+    write of each variable)."""
+
+    __slots__ = ("writes", "cover")
+
+    def __init__(self, cover: frozenset[Any]) -> None:
+        self.writes: dict[Any, _Access] = {}
+        self.cover = _lock_keys(cover)
+
+
+class _RunView:
+    """What one audit saw of one run."""
+
+    __slots__ = ("reads", "updates")
+
+    def __init__(self) -> None:
+        self.reads: dict[Any, _ReadMark] = {}
+        self.updates: dict[frozenset[Any], _Update] = {}
+
+
 class _VarState:
-    __slots__ = ("name", "pending", "writes", "windows", "blind")
+    __slots__ = ("name", "pending", "writes", "windows", "blind", "read_runs", "write_runs")
 
     def __init__(self) -> None:
         self.name = "variable"
@@ -217,42 +438,56 @@ class _VarState:
         self.writes: dict[tuple[Any, ...], _Access] = {}
         self.windows: dict[tuple[Any, ...], _Window] = {}
         self.blind: dict[tuple[Any, ...], _Access] = {}
+        # The latest run of each thread that read (wrote) the variable.
+        self.read_runs: dict[int, _Run] = {}
+        self.write_runs: dict[int, _Run] = {}
 
 
 class _Finding:
     __slots__ = (
         "kind",
-        "variable",
-        "read_site",
+        "variables",
+        "read_sites",
         "write_sites",
         "threads",
         "observed",
         "count",
         "contexts",
+        "calls",
     )
 
     def __init__(
-        self, kind: str, variable: str, read_site: str | None, write_sites: tuple[str, ...]
+        self,
+        kind: str,
+        variables: tuple[str, ...],
+        read_sites: tuple[str, ...],
+        write_sites: tuple[str, ...],
     ) -> None:
         self.kind = kind
-        self.variable = variable
-        self.read_site = read_site
+        self.variables = variables
+        self.read_sites = read_sites
         self.write_sites = write_sites
         self.threads: set[str] = set()
         self.observed = False
         self.count = 0
         self.contexts: set[str] = set()
+        self.calls: set[str] = set()
 
     def frozen(self) -> Race:
+        calls = tuple(sorted(self.calls))
         return Race(
             kind=self.kind,
-            variable=self.variable,
+            variable=self.variables[0],
             threads=tuple(sorted(self.threads)),
-            read_site=self.read_site,
+            read_site=self.read_sites[0] if self.kind == LOST_UPDATE else None,
             write_sites=self.write_sites,
             evidence=OBSERVED if self.observed else PREDICTED,
             count=self.count,
             contexts=tuple(sorted(self.contexts)),
+            variables=self.variables,
+            read_sites=self.read_sites,
+            calls=calls,
+            fix=fix_for(self.kind, self.variables, calls),
         )
 
 
@@ -280,14 +515,39 @@ class _Detector:
             var.name = access.name
         self.threads.add(access.tname)
         tid = access.tid
+        run = access.run
+        view = run.views.get(self)
+        if view is None:
+            view = run.views[self] = _RunView()
         if access.kind == _READ:
             self.reads += 1
             var.pending[tid] = access
+            mark = view.reads.get(access.var)
+            if mark is None:
+                view.reads[access.var] = _ReadMark(access)
+            else:
+                mark.add(access)
+            var.read_runs[tid] = run
+            if len(view.reads) > 1:
+                self._torn_after_read(var, access, run, view)
             return
         self.writes += 1
+        self._lost_or_concurrent(var, access)
+        update = view.updates.get(access.sections)
+        if update is None:
+            update = view.updates[access.sections] = _Update(access.sections)
+        update.writes[access.var] = access
+        var.write_runs[tid] = run
+        if len(update.writes) > 1:
+            self._torn_after_write(var, access, run, update)
+
+    # -- lost updates and concurrent writes
+
+    def _lost_or_concurrent(self, var: _VarState, access: _Access) -> None:
+        tid = access.tid
         read = var.pending.pop(tid, None)
         if access.kind == _VALIDATED_WRITE:
-            read = None  # compare_and_assign: never based on a stale read.
+            read = None  # never based on a stale read
         if read is not None:
             window = _Window(read, access)
             for other in var.writes.values():  # earlier writes of other threads
@@ -303,10 +563,14 @@ class _Detector:
                     and not (access.family and other.family == access.family)
                 ):
                     self._record(
-                        access.var,
-                        var,
+                        (
+                            access.api or other.api or access.var,
+                            CONCURRENT_WRITE,
+                            tuple(sorted((other.site, access.site))),
+                        ),
                         CONCURRENT_WRITE,
-                        None,
+                        (var.name,),
+                        (),
                         tuple(sorted((other.site, access.site))),
                         (other, access),
                         other.end > access.begin,
@@ -323,38 +587,107 @@ class _Detector:
         if other.family and window.write.family == other.family:
             return  # Commutative updates: neither effect can be lost.
         observed = other.begin < window.write.end and other.end > window.read.begin
+        write_sites = (window.write.site, other.site)
+        # The variables of one Keras call (a model's weights, an optimizer's slots) race
+        # at the same lines: one finding lists them all.
         self._record(
-            key,
-            var,
+            (window.write.api or other.api or key, LOST_UPDATE, window.read.site, write_sites),
             LOST_UPDATE,
-            window.read.site,
-            (window.write.site, other.site),
+            (var.name,),
+            (window.read.site,),
+            write_sites,
             (window.read, window.write, other),
             observed,
         )
 
+    # -- torn reads
+
+    def _torn_after_read(self, var: _VarState, access: _Access, run: _Run, view: _RunView) -> None:
+        for wtid, wrun in var.write_runs.items():
+            if wtid == access.tid:
+                continue
+            wview = wrun.views.get(self)
+            if wview is None:
+                continue
+            for update in wview.updates.values():
+                if access.var in update.writes and len(update.writes) > 1:
+                    self._torn(run, view, wrun, update)
+
+    def _torn_after_write(
+        self, var: _VarState, access: _Access, run: _Run, update: _Update
+    ) -> None:
+        for rtid, rrun in var.read_runs.items():
+            if rtid == access.tid:
+                continue
+            rview = rrun.views.get(self)
+            if rview is not None and len(rview.reads) > 1:
+                self._torn(rrun, rview, run, update)
+
+    def _torn(self, rrun: _Run, rview: _RunView, wrun: _Run, update: _Update) -> None:
+        """Whether a view (reads of ``rrun``) can fall in the middle of an update."""
+        reads = rview.reads
+        shared = [v for v in update.writes if v in reads]
+        if len(shared) < 2:
+            return
+        units: set[Any] = set()  # snapshot ids compare by value, plain reads by identity
+        for v in shared:
+            units.update(reads[v].units)
+        if len(units) < 2:
+            return  # One snapshot: read at one instant.
+        if wrun.clock <= rrun.vc.get(wrun.tid, 0) or rrun.clock <= wrun.vc.get(rrun.tid, 0):
+            return  # The whole update happened before the reads, or after them.
+        cover = reads[shared[0]].sections
+        for v in shared[1:]:
+            cover = cover & reads[v].sections
+        if update.cover & _lock_keys(cover):
+            return  # One lock held across the reads and across the update.
+        marks = [reads[v] for v in shared]
+        writes = [update.writes[v] for v in shared]
+        first = min(m.first.begin for m in marks)
+        last = max(m.end for m in marks)
+        observed = any(w.begin < last and w.end > first for w in writes)
+        names = tuple(sorted(self.vars[v].name for v in shared))
+        read_sites = tuple(sorted({m.first.site for m in marks}))
+        write_sites = tuple(sorted({w.site for w in writes}))
+        # Views of Keras calls (every weight read at the line of the call) are one
+        # finding per pair of lines, listing every variable.
+        apis = frozenset(a.api for a in (*(m.first for m in marks), *writes) if a.api)
+        self._record(
+            (TORN_READ, apis or frozenset(shared), read_sites, write_sites),
+            TORN_READ,
+            names,
+            read_sites,
+            write_sites,
+            (*(m.first for m in marks), *writes),
+            observed,
+        )
+
+    # -- findings
+
     def _record(
         self,
-        key: Any,
-        var: _VarState,
+        fkey: tuple[Any, ...],
         kind: str,
-        read_site: str | None,
+        variables: tuple[str, ...],
+        read_sites: tuple[str, ...],
         write_sites: tuple[str, ...],
         accesses: tuple[_Access, ...],
         observed: bool,
     ) -> None:
         if not observed and not self.predictive:
             return
-        fkey = (key, kind, read_site, write_sites)
         finding = self.findings.get(fkey)
         if finding is None:
-            finding = self.findings[fkey] = _Finding(kind, var.name, read_site, write_sites)
-        finding.variable = var.name
+            finding = self.findings[fkey] = _Finding(kind, variables, read_sites, write_sites)
+        if finding.variables != variables:
+            finding.variables = tuple(sorted({*finding.variables, *variables}))
         finding.count += 1
         finding.observed = finding.observed or observed
         for access in accesses:
             finding.threads.add(access.tname)
             finding.contexts.add(access.context)
+            if access.api:
+                finding.calls.add(access.api)
 
     def races(self) -> list[Race]:
         """The findings so far, frozen (``AuditReport.races``)."""

@@ -3,9 +3,10 @@
 Wrappers for the read and write methods of TensorFlow's resource variables (eager
 accesses go to the active detectors at once; accesses made while a function is traced
 go to its summary, see ``tf_function.py``), for ``tf.CriticalSection.execute`` and
-safevars' graph sections (the sections an access is made in), and for
-``threading.Thread.start``/``join`` (the happens-before edges). ``patching.py`` installs
-them; ``sites.py`` finds the user line of each access.
+safevars' graph sections (the sections an access is made in), and for safevars'
+snapshots (the reads of one snapshot are one consistent unit). ``patching.py`` installs
+them; ``sites.py`` finds the user line of each access, the Keras call it came from and
+the Keras variable behind it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from safevars.audit.happens_before import (
     _READ,
     _SECTION_IDS,
     _SEQ,
+    _UNIT_IDS,
     _VALIDATED_WRITE,
     _WRITE,
     _Access,
     _eager_protection,
     _Session,
 )
-from safevars.audit.sites import _IGNORE, _VALIDATE, _user_site
+from safevars.audit.sites import _IGNORE, _VALIDATE, _keras_path, _user_site
 from safevars.audit.tf_function import (
     _SUMMARIES,
     _input_position,
@@ -79,11 +81,15 @@ _COMMUTATIVE = {
 }
 
 
-def _variable_key_and_name(variable: Any, session: _Session) -> tuple[int, str | None]:
+def _variable_key_and_name(variable: Any, session: _Session, frame: Any) -> tuple[int, str | None]:
+    """The variable's key and the name reports show: its Keras path if a Keras variable
+    is behind it (looked up in the first accesses' frames), else its TensorFlow name."""
     handle = variable._handle
-    name = getattr(variable, "_handle_name", None) or None
-    session.register(handle, name)
-    return id(handle), name or session.name_of(id(handle))
+    key = id(handle)
+    if session.wants_path(key):
+        name = getattr(variable, "_handle_name", None) or None
+        session.register(handle, name, _keras_path(frame, handle))
+    return key, session.name_of(key)
 
 
 def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> None:
@@ -91,23 +97,33 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
     session = active._SESSION
     if session is None or not active._ACTIVE:
         return
-    site, role = _user_site(sys._getframe(2))
+    frame = sys._getframe(2)
+    site, role, api = _user_site(frame)
     if role == _IGNORE:
         return
     if role == _VALIDATE and kind == _WRITE:
         kind = _VALIDATED_WRITE
-    key, name = _variable_key_and_name(variable, session)
+    key, name = _variable_key_and_name(variable, session, frame)
     family = _COMMUTATIVE.get(method) if method else None
     state = session.state()
     if context.executing_eagerly():
         locks, sections = _eager_protection(state)
-        _deliver(
-            [
-                _Access.record(
-                    kind, key, name, site, state, begin, end, locks, sections, family, "eager"
-                )
-            ]
+        access = _Access.record(
+            kind,
+            key,
+            name,
+            site,
+            state.current_run(),
+            begin,
+            end,
+            locks,
+            sections,
+            family,
+            "eager",
+            state.unit,
+            api,
         )
+        _deliver([access])
         return
     top = _top_func_graph()
     if top is None:
@@ -123,6 +139,7 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
         traced_sections,
         family,
         _input_position(top, key),
+        state.unit,
     )
     with _DETECT_LOCK:
         summary = _SUMMARIES.get(top)
@@ -221,17 +238,6 @@ def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return audited_section
 
 
-def _start_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def audited_start(self: threading.Thread) -> Any:
-        session = active._SESSION
-        if session is not None:
-            session.fork(self)
-        return original(self)
-
-    return audited_start
-
-
 def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def audited_join(self: threading.Thread, *args: Any, **kwargs: Any) -> Any:
@@ -242,3 +248,24 @@ def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return audited_join
+
+
+def _snapshot_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``take_snapshots``: the reads of one snapshot call are one consistent unit
+    (a torn read is never reported between them)."""
+
+    @functools.wraps(original)
+    def audited_take_snapshots(*args: Any, **kwargs: Any) -> Any:
+        session = active._SESSION
+        if session is None:
+            return original(*args, **kwargs)
+        state = session.state()
+        outer = state.unit
+        if outer is None:
+            state.unit = next(_UNIT_IDS)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.unit = outer
+
+    return audited_take_snapshots

@@ -1,0 +1,373 @@
+"""Locks and queues made before the audit began: found from the project's code and
+swapped for the audit's proxies, for as long as the audit runs.
+
+A ``threading.Lock`` made before the audit is a plain ``_thread.lock``: nothing that
+holds it can be patched, only the reference to it replaced. When the first audit begins,
+:func:`adopt_existing` looks for such locks (``Lock``, ``RLock``), for ``SimpleQueue`` s
+and for ``Condition`` s on a plain lock, and swaps in a proxy of ``sync.py`` that shares
+the same lock (or queue), wherever the project's code keeps a reference it can replace:
+
+* the globals of the project's modules (neither the standard library, nor an installed
+  package, nor safevars: ``sites._is_project_file``), and the names they imported from
+  ``threading``, ``queue`` and ``concurrent.futures`` (``from threading import Lock``);
+* from there, and from the local variables of the project's functions running on every
+  thread (read, never written), up to ``_MAX_DEPTH`` steps through dicts, lists, the
+  attributes of the project's objects and classes, closure cells and default arguments
+  of the project's functions, bound methods, ``functools.partial`` s and threads not
+  started yet;
+* extra roots a caller passes (the pytest plugin: the test's arguments).
+
+When a thread starts (``Thread.start``) or a task is submitted to a thread pool
+(``_WorkItem``), its target, arguments and their closures are searched the same way, so
+a lock created before the audit and handed to workers is seen by them.
+
+Each swap is undone when the last audit ends (where the reference still holds the
+proxy). What is not reached stays unseen: a lock held only in a local variable of a
+running function (not captured by a closure, not passed to a thread), a lock inside a
+tuple, an installed library's objects, containers of more than ``_MAX_ITEMS`` entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from safevars.audit import active
+from safevars.audit.happens_before import _Session
+from safevars.audit.sites import _is_project_file
+from safevars.audit.sync import (
+    _LOCK_TYPE,
+    _RLOCK_TYPE,
+    _SIMPLE_QUEUE_TYPE,
+    _TrackedPlainLock,
+    _TrackedRLock,
+    _TrackedSimpleQueue,
+)
+
+_MAX_DEPTH = 4  # module global -> object -> attribute -> container -> item
+_MAX_ITEMS = 1000  # larger dicts and lists are not searched
+_BUDGET = 20_000  # objects searched per adoption at most
+_CONDITION_ATTRIBUTES = (
+    "_lock",
+    "acquire",
+    "release",
+    "_release_save",
+    "_acquire_restore",
+    "_is_owned",
+)
+# What threading.Thread keeps for itself (its own locks and events are never swapped).
+_THREAD_INTERNALS = frozenset(vars(threading.Thread()))
+
+
+def _proxy(value: Any) -> Any:
+    """The audit's proxy for a plain lock or ``SimpleQueue``, else None."""
+    kind = type(value)
+    if kind is _LOCK_TYPE:
+        return _TrackedPlainLock(value)
+    if kind is _RLOCK_TYPE:
+        return _TrackedRLock(value)
+    if kind is _SIMPLE_QUEUE_TYPE:
+        return _TrackedSimpleQueue(value)
+    return None
+
+
+_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
+def _is_project_module(name: Any) -> bool:
+    """Whether the module called ``name`` is the project's (classes defined there)."""
+    filename = getattr(sys.modules.get(name) if isinstance(name, str) else None, "__file__", None)
+    return isinstance(filename, str) and _is_project_file(filename)
+
+
+# Where a reference lives: ``container[key]``, ``getattr(container, key)`` or a cell.
+_ITEM = 0
+_ATTRIBUTE = 1
+_CELL = 2
+
+
+def _get(container: Any, key: Any, where: int) -> Any:
+    if where == _ITEM:
+        return container[key]
+    if where == _ATTRIBUTE:
+        return getattr(container, key)
+    return container.cell_contents
+
+
+def _put(container: Any, key: Any, where: int, value: Any) -> None:
+    if where == _ITEM:
+        container[key] = value
+    elif where == _ATTRIBUTE:
+        setattr(container, key, value)
+    else:
+        container.cell_contents = value
+
+
+class _Adopter:
+    """One search: swaps what it finds and registers each undo with the session."""
+
+    def __init__(self, session: _Session, replacements: dict[int, Any]) -> None:
+        self.session = session
+        # id(original function or class) -> what the audit patched in for it.
+        self.replacements = replacements
+        self.seen: set[int] = set()
+        self.budget = _BUDGET
+        self.swapped = 0
+
+    # -- one reference
+
+    def _swap(self, container: Any, key: Any, where: int, old: Any, new: Any) -> None:
+        _put(container, key, where, new)
+        self.swapped += 1
+
+        def undo() -> None:
+            try:
+                if _get(container, key, where) is new:
+                    _put(container, key, where, old)
+            except (AttributeError, IndexError, KeyError, ValueError):
+                pass  # the reference is gone (a finished thread's arguments)
+
+        self.session.restores.append(undo)
+
+    def _slot(self, container: Any, key: Any, where: int, value: Any, depth: int) -> None:
+        new = _proxy(value)
+        if new is not None:
+            self._swap(container, key, where, value, new)
+        else:
+            self.visit(value, depth + 1)
+
+    # -- containers and objects
+
+    def visit(self, value: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH or self.budget <= 0:
+            return
+        kind = type(value)
+        if kind in _SCALARS or id(value) in self.seen:
+            return
+        self.seen.add(id(value))
+        self.budget -= 1
+        if isinstance(value, dict):
+            self.mapping(value, depth)
+        elif kind is list:
+            if len(value) <= _MAX_ITEMS:
+                for index, item in enumerate(list(value)):
+                    self._slot(value, index, _ITEM, item, depth)
+        elif kind in (tuple, set, frozenset):
+            if len(value) <= _MAX_ITEMS:
+                for item in value:
+                    self.visit(item, depth + 1)
+        elif kind is types.FunctionType:
+            self.function(value, depth)
+        elif kind is types.MethodType:
+            self.visit(value.__self__, depth + 1)
+            self.visit(value.__func__, depth + 1)
+        elif kind is functools.partial:
+            self.visit(value.func, depth + 1)
+            self.visit(value.args, depth + 1)
+            self.mapping(value.keywords, depth)
+        elif isinstance(value, threading.Thread):
+            self.thread(value, depth)
+        elif isinstance(value, threading.Condition):
+            self.condition(value)
+        elif isinstance(value, type):
+            if _is_project_module(value.__module__):
+                self.namespace(value, depth)
+        elif _is_project_module(type(value).__module__):
+            self.instance(value, depth)
+
+    def mapping(self, mapping: dict[Any, Any], depth: int) -> None:
+        if len(mapping) <= _MAX_ITEMS:
+            for key, item in list(mapping.items()):
+                self._slot(mapping, key, _ITEM, item, depth)
+
+    def namespace(self, owner: type, depth: int) -> None:
+        """A class's own attributes (``vars`` is read-only: set through ``setattr``)."""
+        for name, item in list(vars(owner).items()):
+            if not name.startswith("__"):
+                self._slot(owner, name, _ATTRIBUTE, item, depth)
+
+    def instance(self, value: Any, depth: int) -> None:
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):
+            self.mapping(attributes, depth)
+        for cls in type(value).__mro__:
+            slots = vars(cls).get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                    try:
+                        item = getattr(value, name)
+                    except AttributeError:
+                        continue
+                    self._slot(value, name, _ATTRIBUTE, item, depth)
+
+    def function(self, fn: types.FunctionType, depth: int) -> None:
+        if not _is_project_file(fn.__code__.co_filename):
+            return
+        for cell in fn.__closure__ or ():
+            try:
+                item = cell.cell_contents
+            except ValueError:  # an empty cell (a name assigned later)
+                continue
+            self._slot(cell, None, _CELL, item, depth)
+        if fn.__defaults__:
+            self.arguments(fn, "__defaults__", depth)
+        if fn.__kwdefaults__:
+            self.mapping(fn.__kwdefaults__, depth)
+
+    def arguments(self, owner: Any, name: str, depth: int) -> None:
+        """A tuple attribute (default arguments, a thread's arguments): replaced whole."""
+        items = getattr(owner, name, None)
+        if not isinstance(items, tuple):
+            return
+        new = tuple(_proxy(item) or item for item in items)
+        if any(a is not b for a, b in zip(new, items)):
+            self._swap(owner, name, _ATTRIBUTE, items, new)
+        for item in new:
+            self.visit(item, depth + 1)
+
+    def thread(self, thread: threading.Thread, depth: int) -> None:
+        """A thread not started yet: its target and arguments (never its own locks)."""
+        if thread.ident is not None:
+            return
+        attributes = vars(thread)
+        target = attributes.get("_target")
+        if target is not None:
+            self.visit(target, depth + 1)
+        self.arguments(thread, "_args", depth)
+        kwargs = attributes.get("_kwargs")
+        if isinstance(kwargs, dict):
+            self.mapping(kwargs, depth)
+        if _is_project_module(type(thread).__module__):  # a project's Thread subclass
+            for name, item in list(attributes.items()):
+                if name not in _THREAD_INTERNALS:
+                    self._slot(attributes, name, _ITEM, item, depth)
+
+    def condition(self, condition: threading.Condition) -> None:
+        """A ``Condition`` on a plain lock: its lock and the lock's methods it keeps."""
+        attributes = vars(condition)
+        lock = attributes.get("_lock")
+        if type(lock) not in (_LOCK_TYPE, _RLOCK_TYPE):
+            return
+        proxy = _proxy(lock)
+        saved = {n: attributes[n] for n in _CONDITION_ATTRIBUTES if n in attributes}
+        attributes["_lock"] = proxy
+        for name in saved:
+            if name != "_lock":
+                attributes[name] = getattr(proxy, name)
+        self.swapped += 1
+
+        def undo() -> None:
+            if attributes.get("_lock") is proxy:
+                attributes.update(saved)
+
+        self.session.restores.append(undo)
+
+    # -- roots
+
+    def modules(self) -> None:
+        """The project's modules: their globals (and names imported from the patched
+        modules, ``from threading import Lock``, get the audit's version)."""
+        for module in list(sys.modules.values()):
+            filename = getattr(module, "__file__", None)
+            namespace = getattr(module, "__dict__", None)
+            if not (isinstance(filename, str) and isinstance(namespace, dict)):
+                continue
+            if not _is_project_file(filename) or id(namespace) in self.seen:
+                continue
+            self.seen.add(id(namespace))
+            for key, item in list(namespace.items()):
+                if key.startswith("__"):
+                    continue
+                imported = self.replacements.get(id(item))
+                if imported is not None:
+                    self._swap(namespace, key, _ITEM, item, imported)
+                else:
+                    self._slot(namespace, key, _ITEM, item, 0)
+
+    def frames(self) -> None:
+        """The local variables of the project's functions running on every thread
+        (searched, never written: a frame's locals cannot be replaced)."""
+        for top in list(sys._current_frames().values()):
+            frame: types.FrameType | None = top
+            while frame is not None:
+                if _is_project_file(frame.f_code.co_filename):
+                    for item in list(frame.f_locals.values()):
+                        self.visit(item, 1)
+                frame = frame.f_back
+
+
+def adopt_existing(
+    session: _Session,
+    replacements: dict[int, Any],
+    roots: Iterable[Any] = (),
+    everything: bool = True,
+) -> int:
+    """Swaps the audit's proxies into the references the project keeps to plain locks,
+    ``SimpleQueue`` s and ``Condition`` s (see the module docstring).
+
+    Args:
+      session: The session whose ``restores`` get the undo of each swap.
+      replacements: ``id(original)`` -> replacement, for the functions and classes the
+        audit patched in a module (``threading.Lock``): a project module's global
+        holding an original gets the replacement too.
+      roots: Further objects to search (dicts are searched and swapped in place).
+      everything: Also search the project's modules and running frames (the first
+        audit); False: ``roots`` only (a nested audit).
+
+    Returns:
+      How many references were swapped.
+    """
+    adopter = _Adopter(session, replacements)
+    for root in roots:
+        adopter.visit(root, 1)
+    if everything:
+        adopter.modules()
+        adopter.frames()
+    return adopter.swapped
+
+
+def restore(session: _Session) -> None:
+    """Undoes every swap of the session, latest first."""
+    while session.restores:
+        session.restores.pop()()
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+def _start_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Thread.start``: the thread's target and arguments adopted, then the fork (what
+    the parent did so far happens before everything the thread does)."""
+
+    @functools.wraps(original)
+    def audited_start(self: threading.Thread) -> Any:
+        session = active._SESSION
+        if session is not None:
+            _Adopter(session, {}).thread(self, 0)
+            session.fork(self)
+        return original(self)
+
+    return audited_start
+
+
+def _work_item_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``submit`` (``_WorkItem.__init__``, in the submitting thread): the task and its
+    arguments adopted; what the submitter did so far happens before the task."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, *args, **kwargs)
+        session = active._SESSION
+        if session is not None:
+            adopter = _Adopter(session, {})
+            adopter.visit(getattr(self, "fn", None), 0)
+            adopter.arguments(self, "args", 0)
+            if isinstance(getattr(self, "kwargs", None), dict):
+                adopter.mapping(self.kwargs, 0)
+            self._safevars_submitted = (session, session.hand_off())
+
+    return __init__

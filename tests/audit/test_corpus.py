@@ -1,0 +1,96 @@
+"""The corpus (``corpus.py``): every racy program reported, no safe one, by default.
+
+Each program runs once, inside two audits at the same time: the default
+(``predictive=True``) and ``predictive=False``, so both judge the very same execution.
+The test prints both modes' recall (racy programs reported) and false alarms (safe
+programs reported), and requires a perfect score in the default mode; the other mode's
+figures are printed for comparison (it reports only what it saw overlap).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from safevars.audit import audit
+from tests.audit.corpus import PROGRAMS, RACY, SAFE
+
+
+def _run(program):
+    prepared = program.prepare() if program.prepare else {}
+    with audit() as predictive, audit(predictive=False) as observed:
+        program.run(**prepared)
+    return predictive, observed
+
+
+def _score(results, mode):
+    racy = [name for name, (label, reports) in results.items() if label == RACY]
+    safe = [name for name, (label, reports) in results.items() if label == SAFE]
+    missed = [n for n in racy if not results[n][1][mode].races]
+    alarms = [n for n in safe if results[n][1][mode].races]
+    return racy, safe, missed, alarms
+
+
+def test_the_corpus_has_every_primitive_both_ways():
+    assert len(PROGRAMS) >= 30
+    assert len({p.name for p in PROGRAMS}) == len(PROGRAMS)
+    labels = {}
+    for p in PROGRAMS:
+        labels.setdefault(p.primitive.split(" (")[0], set()).add(p.label)
+    for primitive in (
+        "Lock",
+        "RLock",
+        "Condition",
+        "Semaphore",
+        "Event",
+        "Barrier",
+        "Queue",
+        "SimpleQueue",
+        "Queue.task_done/join",
+        "Timer",
+        "tf.function",
+    ):
+        assert labels[primitive] == {RACY, SAFE}, primitive
+
+
+def test_corpus_recall_and_false_alarms(capsys):
+    results = {}
+    for program in PROGRAMS:
+        predictive, observed = _run(program)
+        results[program.name] = (program.label, (predictive, observed))
+    lines = [f"{'program':58} {'label':5}  default    predictive=False"]
+    for program in PROGRAMS:
+        label, (predictive, observed) = results[program.name]
+        kinds = sorted({r.kind for r in predictive.races})
+        lines.append(
+            f"{program.name:58} {label:5}  {len(predictive.races):2} race(s) {len(observed.races):2} "
+            f"race(s)  {', '.join(kinds)}"
+        )
+    summary = []
+    for mode, title in ((0, "default (predictive=True)"), (1, "predictive=False")):
+        racy, safe, missed, alarms = _score(results, mode)
+        summary.append(
+            f"{title}: recall {len(racy) - len(missed)}/{len(racy)}, "
+            f"false alarms {len(alarms)}/{len(safe)}"
+            + (f"; missed {missed}" if missed else "")
+            + (f"; alarms {alarms}" if alarms else "")
+        )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines + summary))
+    racy, safe, missed, alarms = _score(results, 0)
+    details = "\n\n".join(
+        f"{name} ({results[name][0]}):\n{results[name][1][0]}" for name in missed + alarms
+    )
+    assert not missed and not alarms, summary[0] + "\n\n" + details
+
+
+@pytest.mark.parametrize("name", ["torn_read_of_two_plain_writes", "plain_reads_of_a_section"])
+def test_a_torn_read_is_its_own_finding(name):
+    (program,) = [p for p in PROGRAMS if p.name == name]
+    predictive, _ = _run(program)
+    (race,) = predictive.races
+    assert race.kind == "torn_read", str(predictive)
+    assert race.variables == ("a:0", "b:0")
+    assert len(race.threads) == 2
+    assert race.read_sites and race.write_sites
+    assert all("corpus.py" in site for site in race.read_sites + race.write_sites)
+    assert "safevars.snapshot([a, b])" in race.fix
