@@ -10,8 +10,8 @@ the same lock (or queue), wherever the project's code keeps a reference it can r
 * the globals of the project's modules (neither the standard library, nor an installed
   package, nor safevars: ``sites._is_project_file``), and the names they imported from
   ``threading``, ``queue`` and ``concurrent.futures`` (``from threading import Lock``);
-* from there, and from the local variables of the project's functions running on every
-  thread (read, never written), up to ``_MAX_DEPTH`` steps through dicts, lists, the
+* from there, and from the local variables of the project's functions running on the
+  other threads (read, never written), up to ``_MAX_DEPTH`` steps through dicts, lists, the
   attributes of the project's objects and classes, closure cells and default arguments
   of the project's functions, bound methods, ``functools.partial`` s and threads not
   started yet;
@@ -76,12 +76,52 @@ def _proxy(value: Any) -> Any:
 
 
 _SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+# Module globals that hold no reference worth searching; a class's methods besides.
+_BARREN = _SCALARS | {types.ModuleType}
+_METHODS = _BARREN | {types.FunctionType, staticmethod, classmethod, property}
 
 
 def _is_project_module(name: Any) -> bool:
     """Whether the module called ``name`` is the project's (classes defined there)."""
     filename = getattr(sys.modules.get(name) if isinstance(name, str) else None, "__file__", None)
     return isinstance(filename, str) and _is_project_file(filename)
+
+
+# module name -> (module, its globals if it is the project's, else None). A process has
+# thousands of modules (TensorFlow's); telling which are the project's once per module
+# keeps an audit's start cheap.
+_MODULES: dict[str, tuple[Any, dict[str, Any] | None]] = {}
+
+
+def _project_namespaces() -> list[dict[str, Any]]:
+    """The globals of the project's modules in ``sys.modules``.
+
+    A module's ``__file__`` is read from its ``__dict__``, never with ``getattr``: a lazy
+    module (TensorFlow's ``LazyLoader``) would import itself to answer. While no module
+    was added or removed (and ``__main__`` is the same), the last answer stands.
+    """
+    modules = sys.modules
+    fingerprint = (len(modules), next(reversed(modules), None), id(modules.get("__main__")))
+    if _LAST[0] == fingerprint:
+        return _LAST[1]
+    found = []
+    for name, module in list(modules.items()):
+        known = _MODULES.get(name)
+        if known is None or known[0] is not module:
+            try:
+                namespace = vars(module)
+            except TypeError:
+                namespace = None
+            filename = namespace.get("__file__") if isinstance(namespace, dict) else None
+            project = isinstance(filename, str) and _is_project_file(filename)
+            known = _MODULES[name] = (module, namespace if project else None)
+        if known[1] is not None:
+            found.append(known[1])
+    _LAST[:] = [fingerprint, found]
+    return found
+
+
+_LAST: list[Any] = [None, []]
 
 
 # Where a reference lives: ``container[key]``, ``getattr(container, key)`` or a cell.
@@ -134,9 +174,11 @@ class _Adopter:
         self.session.restores.append(undo)
 
     def _slot(self, container: Any, key: Any, where: int, value: Any, depth: int) -> None:
-        new = _proxy(value)
-        if new is not None:
-            self._swap(container, key, where, value, new)
+        kind = type(value)
+        if kind in _SCALARS:
+            return
+        if kind is _LOCK_TYPE or kind is _RLOCK_TYPE or kind is _SIMPLE_QUEUE_TYPE:
+            self._swap(container, key, where, value, _proxy(value))
         else:
             self.visit(value, depth + 1)
 
@@ -155,7 +197,8 @@ class _Adopter:
         elif kind is list:
             if len(value) <= _MAX_ITEMS:
                 for index, item in enumerate(list(value)):
-                    self._slot(value, index, _ITEM, item, depth)
+                    if type(item) not in _SCALARS:
+                        self._slot(value, index, _ITEM, item, depth)
         elif kind in (tuple, set, frozenset):
             if len(value) <= _MAX_ITEMS:
                 for item in value:
@@ -182,12 +225,14 @@ class _Adopter:
     def mapping(self, mapping: dict[Any, Any], depth: int) -> None:
         if len(mapping) <= _MAX_ITEMS:
             for key, item in list(mapping.items()):
-                self._slot(mapping, key, _ITEM, item, depth)
+                if type(item) not in _SCALARS:
+                    self._slot(mapping, key, _ITEM, item, depth)
 
     def namespace(self, owner: type, depth: int) -> None:
-        """A class's own attributes (``vars`` is read-only: set through ``setattr``)."""
+        """A class's own attributes (``vars`` is read-only: set through ``setattr``); its
+        methods are not searched (a lock in a method's closure is rare, the methods many)."""
         for name, item in list(vars(owner).items()):
-            if not name.startswith("__"):
+            if not name.startswith("__") and type(item) not in _METHODS:
                 self._slot(owner, name, _ATTRIBUTE, item, depth)
 
     def instance(self, value: Any, depth: int) -> None:
@@ -271,17 +316,18 @@ class _Adopter:
     def modules(self) -> None:
         """The project's modules: their globals (and names imported from the patched
         modules, ``from threading import Lock``, get the audit's version)."""
-        for module in list(sys.modules.values()):
-            filename = getattr(module, "__file__", None)
-            namespace = getattr(module, "__dict__", None)
-            if not (isinstance(filename, str) and isinstance(namespace, dict)):
-                continue
-            if not _is_project_file(filename) or id(namespace) in self.seen:
+        for namespace in _project_namespaces():
+            if id(namespace) in self.seen:
                 continue
             self.seen.add(id(namespace))
             for key, item in list(namespace.items()):
-                if key.startswith("__"):
+                kind = type(item)
+                if kind in _BARREN or key.startswith("__"):
                     continue
+                if kind is types.FunctionType and not (
+                    item.__closure__ or item.__defaults__ or item.__kwdefaults__
+                ):
+                    continue  # nothing it could hold a lock in
                 imported = self.replacements.get(id(item))
                 if imported is not None:
                     self._swap(namespace, key, _ITEM, item, imported)
@@ -289,12 +335,20 @@ class _Adopter:
                     self._slot(namespace, key, _ITEM, item, 0)
 
     def frames(self) -> None:
-        """The local variables of the project's functions running on every thread
-        (searched, never written: a frame's locals cannot be replaced)."""
-        for top in list(sys._current_frames().values()):
+        """The local variables of the project's functions running on the other threads
+        (searched, never written: a frame's locals cannot be replaced). The audit's own
+        thread is not searched: what it hands to a thread or a pool later is searched
+        then (``Thread.start``, ``submit``), and its locals would be searched at every
+        audit for nothing new."""
+        me = threading.get_ident()
+        for ident, top in list(sys._current_frames().items()):
+            if ident == me:
+                continue
             frame: types.FrameType | None = top
             while frame is not None:
-                if _is_project_file(frame.f_code.co_filename):
+                code = frame.f_code
+                # A module's own frame: its locals are its globals, searched above.
+                if code.co_name != "<module>" and _is_project_file(code.co_filename):
                     for item in list(frame.f_locals.values()):
                         self.visit(item, 1)
                 frame = frame.f_back

@@ -399,14 +399,6 @@ class _ReadMark:
         self.first = access
         self.end = access.end
 
-    def add(self, access: _Access) -> None:
-        unit = access if access.unit is None else access.unit
-        if len(self.units) < 2 and unit != self.units[0]:
-            self.units.append(unit)
-        if self.sections:
-            self.sections = self.sections & access.sections
-        self.end = access.end
-
 
 class _Update:
     """A run's writes made under the same section instances: one update (the latest
@@ -525,8 +517,13 @@ class _Detector:
             mark = view.reads.get(access.var)
             if mark is None:
                 view.reads[access.var] = _ReadMark(access)
-            else:
-                mark.add(access)
+            else:  # _ReadMark.add, inline: this runs at every read
+                unit = access if access.unit is None else access.unit
+                if len(mark.units) < 2 and unit != mark.units[0]:
+                    mark.units.append(unit)
+                if mark.sections:
+                    mark.sections = mark.sections & access.sections
+                mark.end = access.end
             var.read_runs[tid] = run
             if len(view.reads) > 1:
                 self._torn_after_read(var, access, run, view)

@@ -50,10 +50,21 @@ def _variable_classes() -> list[type]:
     return found
 
 
+_TARGETS: list[Any] = [None, []]  # the variable classes, and the targets made for them
+
+
 def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
-    """(owner, attribute, wrapper factory) for everything an audit patches."""
+    """(owner, attribute, wrapper factory) for everything an audit patches (the same
+    list again while no variable class was added)."""
+    classes = _variable_classes()
+    if _TARGETS[0] != classes:
+        _TARGETS[:] = [classes, _make_targets(classes)]
+    return list(_TARGETS[1])
+
+
+def _make_targets(classes: list[type]) -> list[tuple[Any, str, Callable[[Any], Any]]]:
     targets: list[tuple[Any, str, Callable[[Any], Any]]] = []
-    for cls in _variable_classes():
+    for cls in classes:
         if cls is locking._VersionVariable:
             continue
         for method in _READ_METHODS:

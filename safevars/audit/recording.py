@@ -83,9 +83,13 @@ _COMMUTATIVE = {
 
 def _variable_key_and_name(variable: Any, session: _Session, frame: Any) -> tuple[int, str | None]:
     """The variable's key and the name reports show: its Keras path if a Keras variable
-    is behind it (looked up in the first accesses' frames), else its TensorFlow name."""
+    is behind it (looked up in the frames of its first accesses), else its TensorFlow
+    name."""
     handle = variable._handle
     key = id(handle)
+    known = session.handles.get(key)
+    if known is not None and not known[2]:  # the usual case: nothing left to look up
+        return key, known[1]
     if session.wants_path(key):
         name = getattr(variable, "_handle_name", None) or None
         session.register(handle, name, _keras_path(frame, handle))
@@ -113,7 +117,7 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
             key,
             name,
             site,
-            state.current_run(),
+            state.run or state.current_run(),
             begin,
             end,
             locks,
@@ -146,6 +150,7 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
         if summary is None:
             summary = _SUMMARIES[top] = _Summary(top.name)
         summary.accesses.append(traced)
+        summary.keras = summary.keras or api is not None
         for detector in active._ACTIVE:
             if not detector.closed:
                 detector.traced += 1

@@ -55,11 +55,14 @@ class _Traced(NamedTuple):
 class _Summary:
     """The accesses of one traced function, in program order."""
 
-    __slots__ = ("name", "accesses", "positions")
+    __slots__ = ("name", "accesses", "positions", "keras")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.accesses: list[_Traced] = []
+        # Whether Keras code made some of them: each call then names the Keras call that
+        # made it (train_on_batch, fit).
+        self.keras = False
         # id(handle seen at trace time) -> index of the graph input that carries it at
         # run time (a capture, or an argument: then each call may pass another variable).
         self.positions: dict[int, int | None] = {}
@@ -128,6 +131,7 @@ def _merge_nested(function: Any) -> None:
         outer = _SUMMARIES.get(top)
         if outer is None:
             outer = _SUMMARIES[top] = _Summary(top.name)
+        outer.keras = outer.keras or inner.keras
         for t in list(inner.accesses):
             # The caller's graph has other inputs: its position is resolved at its calls.
             outer.accesses.append(
@@ -160,7 +164,7 @@ def _replay(function: Any, inputs: list[Any], begin: int) -> None:
     call = next(_SECTION_IDS)
     label = f"tf.function {summary.name!r}"
     run = _Run(state)  # the call's accesses: one update, one view
-    api = _user_site(sys._getframe(2))[2]  # the Keras call that made this call
+    api = _user_site(sys._getframe(2))[2] if summary.keras else None  # train_on_batch
     accesses = []
     for t in list(summary.accesses):
         key, name = t.var, t.name
