@@ -63,6 +63,12 @@ _CONDITION_ATTRIBUTES = (
 _THREAD_INTERNALS = frozenset(vars(threading.Thread()))
 
 
+_PROXIED = frozenset({_LOCK_TYPE, _RLOCK_TYPE, _SIMPLE_QUEUE_TYPE})
+# ids of the functions and classes the audit patches in a module (``threading.Lock``):
+# a project module that imported one by name gets the audit's version.
+_ORIGINAL_IDS: set[int] = set()
+
+
 def _proxy(value: Any) -> Any:
     """The audit's proxy for a plain lock or ``SimpleQueue``, else None."""
     kind = type(value)
@@ -122,6 +128,74 @@ def _project_namespaces() -> list[dict[str, Any]]:
 
 
 _LAST: list[Any] = [None, []]
+
+
+# How an object of a type is searched, decided once per type.
+_SKIP, _MAPPING, _LIST, _COLLECTION, _FUNCTION, _METHOD, _PARTIAL = range(7)
+_THREAD, _CONDITION, _CLASS, _INSTANCE = range(7, 11)
+_HANDLING: dict[type, int] = {}
+
+
+def _handling(kind: type) -> int:
+    if kind in _SCALARS or kind is types.ModuleType:
+        return _SKIP
+    if issubclass(kind, dict):
+        return _MAPPING
+    if kind is list:
+        return _LIST
+    if kind in (tuple, set, frozenset):
+        return _COLLECTION
+    if kind is types.FunctionType:
+        return _FUNCTION
+    if kind is types.MethodType:
+        return _METHOD
+    if kind is functools.partial:
+        return _PARTIAL
+    if issubclass(kind, threading.Thread):
+        return _THREAD
+    if issubclass(kind, threading.Condition):
+        return _CONDITION
+    if issubclass(kind, type):
+        return _CLASS
+    # An instance: searched if its class is the project's (a class defined later in a
+    # module loaded later is decided when first met).
+    return _INSTANCE if _is_project_module(kind.__module__) else _SKIP
+
+
+# id(module globals) -> (their number, the names worth searching). Most globals of a
+# module are imports (functions, classes, modules) and constants: decided once, and
+# again when the module gains or loses a global.
+_CANDIDATES: dict[int, tuple[int, list[str]]] = {}
+
+
+def _candidates(namespace: dict[str, Any]) -> list[str]:
+    """The globals of a project module that may hold a lock: not its imports (a class or
+    function defined elsewhere is searched with its own module), not constants and
+    modules, not functions without closures or defaults. ``None`` stays (a global lock
+    made lazily, ``LOCK = None`` at import)."""
+    known = _CANDIDATES.get(id(namespace))
+    if known is not None and known[0] == len(namespace):
+        return known[1]
+    here = namespace.get("__name__")
+    names = []
+    for key, item in list(namespace.items()):
+        if key.startswith("__"):
+            continue
+        kind = type(item)
+        if item is None or id(item) in _ORIGINAL_IDS:
+            names.append(key)
+        elif kind is types.FunctionType:
+            if item.__module__ == here and (
+                item.__closure__ or item.__defaults__ or item.__kwdefaults__
+            ):
+                names.append(key)
+        elif isinstance(item, type):
+            if item.__module__ == here:
+                names.append(key)
+        elif _handling(kind) != _SKIP or kind in _PROXIED:
+            names.append(key)
+    _CANDIDATES[id(namespace)] = (len(namespace), names)
+    return names
 
 
 # Where a reference lives: ``container[key]``, ``getattr(container, key)`` or a cell.
@@ -188,38 +262,41 @@ class _Adopter:
         if depth > _MAX_DEPTH or self.budget <= 0:
             return
         kind = type(value)
-        if kind in _SCALARS or id(value) in self.seen:
+        handling = _HANDLING.get(kind)
+        if handling is None:
+            handling = _HANDLING[kind] = _handling(kind)
+        if handling == _SKIP or id(value) in self.seen:
             return
         self.seen.add(id(value))
         self.budget -= 1
-        if isinstance(value, dict):
+        if handling == _MAPPING:
             self.mapping(value, depth)
-        elif kind is list:
+        elif handling == _LIST:
             if len(value) <= _MAX_ITEMS:
                 for index, item in enumerate(list(value)):
                     if type(item) not in _SCALARS:
                         self._slot(value, index, _ITEM, item, depth)
-        elif kind in (tuple, set, frozenset):
+        elif handling == _COLLECTION:
             if len(value) <= _MAX_ITEMS:
                 for item in value:
                     self.visit(item, depth + 1)
-        elif kind is types.FunctionType:
+        elif handling == _FUNCTION:
             self.function(value, depth)
-        elif kind is types.MethodType:
+        elif handling == _METHOD:
             self.visit(value.__self__, depth + 1)
             self.visit(value.__func__, depth + 1)
-        elif kind is functools.partial:
+        elif handling == _PARTIAL:
             self.visit(value.func, depth + 1)
             self.visit(value.args, depth + 1)
             self.mapping(value.keywords, depth)
-        elif isinstance(value, threading.Thread):
+        elif handling == _THREAD:
             self.thread(value, depth)
-        elif isinstance(value, threading.Condition):
+        elif handling == _CONDITION:
             self.condition(value)
-        elif isinstance(value, type):
+        elif handling == _CLASS:
             if _is_project_module(value.__module__):
                 self.namespace(value, depth)
-        elif _is_project_module(type(value).__module__):
+        else:
             self.instance(value, depth)
 
     def mapping(self, mapping: dict[Any, Any], depth: int) -> None:
@@ -320,14 +397,11 @@ class _Adopter:
             if id(namespace) in self.seen:
                 continue
             self.seen.add(id(namespace))
-            for key, item in list(namespace.items()):
-                kind = type(item)
-                if kind in _BARREN or key.startswith("__"):
+            for key in _candidates(namespace):
+                try:
+                    item = namespace[key]
+                except KeyError:
                     continue
-                if kind is types.FunctionType and not (
-                    item.__closure__ or item.__defaults__ or item.__kwdefaults__
-                ):
-                    continue  # nothing it could hold a lock in
                 imported = self.replacements.get(id(item))
                 if imported is not None:
                     self._swap(namespace, key, _ITEM, item, imported)
@@ -375,6 +449,7 @@ def adopt_existing(
     Returns:
       How many references were swapped.
     """
+    _ORIGINAL_IDS.update(replacements)
     adopter = _Adopter(session, replacements)
     for root in roots:
         adopter.visit(root, 1)

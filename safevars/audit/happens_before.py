@@ -388,16 +388,19 @@ class _Window:
 
 
 class _ReadMark:
-    """A run's reads of one variable: their units (at most two kept: enough to tell a
-    view from a snapshot), the section instances common to all of them, the first site."""
+    """A run's reads of one variable: the snapshot calls that read it (the latest few),
+    the section instances common to all its reads, the first read and the last end."""
 
-    __slots__ = ("units", "sections", "first", "end")
+    __slots__ = ("snapshots", "sections", "first", "end")
 
     def __init__(self, access: _Access) -> None:
-        self.units = [access if access.unit is None else access.unit]
+        self.snapshots: list[Any] = [] if access.unit is None else [access.unit]
         self.sections = access.sections
         self.first = access
         self.end = access.end
+
+
+_SNAPSHOTS_KEPT = 8
 
 
 class _Update:
@@ -517,10 +520,10 @@ class _Detector:
             mark = view.reads.get(access.var)
             if mark is None:
                 view.reads[access.var] = _ReadMark(access)
-            else:  # _ReadMark.add, inline: this runs at every read
-                unit = access if access.unit is None else access.unit
-                if len(mark.units) < 2 and unit != mark.units[0]:
-                    mark.units.append(unit)
+            else:  # what a _ReadMark adds, inline: this runs at every read
+                if access.unit is not None and access.unit not in mark.snapshots:
+                    mark.snapshots.append(access.unit)
+                    del mark.snapshots[:-_SNAPSHOTS_KEPT]
                 if mark.sections:
                     mark.sections = mark.sections & access.sections
                 mark.end = access.end
@@ -626,11 +629,13 @@ class _Detector:
         shared = [v for v in update.writes if v in reads]
         if len(shared) < 2:
             return
-        units: set[Any] = set()  # snapshot ids compare by value, plain reads by identity
-        for v in shared:
-            units.update(reads[v].units)
-        if len(units) < 2:
-            return  # One snapshot: read at one instant.
+        common = set(reads[shared[0]].snapshots)
+        for v in shared[1:]:
+            if not common:
+                break
+            common.intersection_update(reads[v].snapshots)
+        if common:
+            return  # One snapshot read them all: at one instant.
         if wrun.clock <= rrun.vc.get(wrun.tid, 0) or rrun.clock <= wrun.vc.get(rrun.tid, 0):
             return  # The whole update happened before the reads, or after them.
         cover = reads[shared[0]].sections

@@ -96,12 +96,15 @@ def _variable_key_and_name(variable: Any, session: _Session, frame: Any) -> tupl
     return key, session.name_of(key)
 
 
-def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> None:
+def _record_access(
+    variable: Any, kind: int, method: str | None, begin: int, frame: Any = None
+) -> None:
     end = next(_SEQ)
     session = active._SESSION
     if session is None or not active._ACTIVE:
         return
-    frame = sys._getframe(2)
+    if frame is None:
+        frame = sys._getframe(2)
     site, role, api = _user_site(frame)
     if role == _IGNORE:
         return
@@ -256,20 +259,28 @@ def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _snapshot_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps ``take_snapshots``: the reads of one snapshot call are one consistent unit
-    (a torn read is never reported between them)."""
+    """Wraps ``take_snapshots``: a snapshot reads its variables (the fast path reads
+    their handles with a raw op, which no hook sees), and the reads of one snapshot call
+    are one consistent unit (a torn read is never reported between them)."""
 
     @functools.wraps(original)
-    def audited_take_snapshots(*args: Any, **kwargs: Any) -> Any:
+    def audited_take_snapshots(variables: Any, *args: Any, **kwargs: Any) -> Any:
         session = active._SESSION
         if session is None:
-            return original(*args, **kwargs)
+            return original(variables, *args, **kwargs)
         state = session.state()
         outer = state.unit
         if outer is None:
             state.unit = next(_UNIT_IDS)
         try:
-            return original(*args, **kwargs)
+            begin = next(_SEQ)
+            snapshots = original(variables, *args, **kwargs)
+            frame = sys._getframe(1)
+            for variable in variables:
+                inner = getattr(variable, "__wrapped__", None)
+                if getattr(inner, "_handle", None) is not None:
+                    _record_access(inner, _READ, None, begin, frame)
+            return snapshots
         finally:
             state.unit = outer
 

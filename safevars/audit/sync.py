@@ -357,7 +357,19 @@ def _queue_join(original: Callable[..., Any]) -> Callable[..., Any]:
     return audited_join
 
 
-class _AuditedSimpleQueue(_SIMPLE_QUEUE_TYPE):
+class _SimpleQueueClass(type):
+    """While ``queue.SimpleQueue`` is :class:`_AuditedSimpleQueue`, ``isinstance`` and
+    ``issubclass`` against it answer for the original class (so the queues made before
+    the audit are still ``SimpleQueue`` s)."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _SIMPLE_QUEUE_TYPE)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _SIMPLE_QUEUE_TYPE)
+
+
+class _AuditedSimpleQueue(_SIMPLE_QUEUE_TYPE, metaclass=_SimpleQueueClass):
     """``queue.SimpleQueue`` while an audit is active: a real ``SimpleQueue`` (the C
     type) whose puts and gets are ordered like ``queue.Queue``'s."""
 

@@ -483,6 +483,24 @@ def future_result_before_the_next_write():
             rmw(v)
 
 
+def _warm_pool() -> dict[str, Any]:
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool.submit(int).result(timeout=JOIN_TIMEOUT)  # its worker and queue exist already
+    return {"pool": pool}
+
+
+@program(SAFE, "ThreadPoolExecutor (made before the audit)", _warm_pool)
+def pool_made_before_the_audit(pool):
+    v = counter()
+    try:
+        rmw(v)
+        for _ in range(ROUNDS):
+            pool.submit(rmw, v).result(timeout=JOIN_TIMEOUT)
+            rmw(v)
+    finally:
+        pool.shutdown(wait=True)
+
+
 @program(RACY, "ThreadPoolExecutor (submit, result)")
 def future_not_waited_for():
     v = counter()
@@ -624,6 +642,48 @@ def snapshot_of_a_section():
             else:
                 snap_a, snap_b = safevars.snapshot([a, b])
                 assert snap_a.numpy() == snap_b.numpy()
+
+    run_threads(2, work)
+
+
+@program(RACY, "torn read (two snapshots taken apart)")
+def two_snapshots_taken_apart():
+    a, b = _pair(safevars.SafeVariable)
+
+    def work(i):
+        for n in range(ROUNDS):
+            if i == 0:
+                with safevars.locked(a, b):
+                    a.assign(float(n))
+                    b.assign(float(n))
+            else:
+                (snap_a,) = safevars.snapshot([a])
+                (snap_b,) = safevars.snapshot([b])  # another instant
+                assert np.isfinite(snap_a.numpy() - snap_b.numpy())
+
+    run_threads(2, work)
+
+
+@program(RACY, "SafeVariable (assign of a snapshot's value)")
+def snapshot_then_plain_assign():
+    v = safevars.SafeVariable(0.0, name="counter")
+
+    def work(i):
+        for _ in range(ROUNDS):
+            v.assign(v.snapshot().value + 1.0)  # the version is not checked: a lost update
+
+    run_threads(2, work)
+
+
+@program(SAFE, "SafeVariable (compare_and_assign of a snapshot)")
+def snapshot_then_compare_and_assign():
+    v = safevars.SafeVariable(0.0, name="counter")
+
+    def work(i):
+        done = 0
+        while done < ROUNDS:
+            snap = v.snapshot()
+            done += bool(v.compare_and_assign(snap.value + 1.0, snap.version))
 
     run_threads(2, work)
 

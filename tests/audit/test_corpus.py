@@ -9,6 +9,8 @@ figures are printed for comparison (it reports only what it saw overlap).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from safevars.audit import audit
@@ -94,3 +96,31 @@ def test_a_torn_read_is_its_own_finding(name):
     assert race.read_sites and race.write_sites
     assert all("corpus.py" in site for site in race.read_sites + race.write_sites)
     assert "safevars.snapshot([a, b])" in race.fix
+
+
+def _program(name):
+    (program,) = [p for p in PROGRAMS if p.name == name]
+    return program
+
+
+def test_keras_findings_name_the_weights_the_call_and_the_fix():
+    predictive, _ = _run(_program("keras_train_on_batch_from_two_threads"))
+    races = predictive.races
+    assert {r.kind for r in races} >= {"lost_update", "torn_read"}, str(predictive)
+    assert all(r.calls == ("train_on_batch",) for r in races), str(predictive)
+    assert all("safevars.scope()" in r.fix for r in races)
+    (torn,) = [r for r in races if r.kind == "torn_read"]
+    # Keras paths, not TensorFlow's "kernel:0": the layer's weights and the slots.
+    assert any(re.fullmatch(r"sequential(_\d+)?/dense(_\d+)?/kernel", v) for v in torn.variables)
+    assert any(
+        re.fullmatch(r"sgd(_\d+)?/sequential\w*_kernel_momentum", v) for v in torn.variables
+    )
+    assert "from Keras train_on_batch" in str(predictive)
+
+
+def test_an_optimizer_step_with_an_unlocked_forward_pass_is_a_torn_read():
+    predictive, _ = _run(_program("keras_safe_optimizer_with_unlocked_forward_pass"))
+    races = predictive.races
+    assert races and {r.kind for r in races} == {"torn_read"}, str(predictive)
+    assert all("apply_gradients" in r.calls for r in races)
+    assert all("safevars.snapshot(model)" in r.fix for r in races)
