@@ -9,6 +9,7 @@ unseen, and is reported as a race ``predicted`` (a test states that limit).
 
 from __future__ import annotations
 
+import _queue
 import _thread
 import queue
 import threading
@@ -18,11 +19,9 @@ import pytest
 import tensorflow as tf
 
 from safevars.audit import audit
-from tests.support.threading_harness import run_threads
 
 RAW_LOCK = type(threading.Lock())
 RAW_RLOCK = type(threading.RLock())
-RAW_SIMPLE_QUEUE = queue.SimpleQueue
 GLOBAL_LOCK = threading.Lock()
 GLOBAL_LOCKS = {"first": threading.Lock(), "others": [threading.RLock()]}
 
@@ -118,9 +117,9 @@ def test_the_project_gets_tracked_locks_the_standard_library_and_tensorflow_plai
         ]
         assert all(type(lock) in (RAW_LOCK, RAW_RLOCK) for lock in theirs), theirs
         simple = queue.SimpleQueue()
-        assert type(simple) is not RAW_SIMPLE_QUEUE  # the audit's subclass: it is seen
-    assert isinstance(simple, RAW_SIMPLE_QUEUE)  # a real one, also after the audit
-    assert queue.SimpleQueue is RAW_SIMPLE_QUEUE
+        assert type(simple) is not _queue.SimpleQueue  # the audit's subclass: it is seen
+    assert isinstance(simple, _queue.SimpleQueue)  # a real one, also after the audit
+    assert queue.SimpleQueue is _queue.SimpleQueue
     assert threading.Lock is not None and type(threading.Lock()) is RAW_LOCK
 
 
