@@ -165,7 +165,7 @@ def _handling(kind: type) -> int:
 # id(module globals) -> (their number, the names worth searching). Most globals of a
 # module are imports (functions, classes, modules) and constants: decided once, and
 # again when the module gains or loses a global.
-_CANDIDATES: dict[int, tuple[int, list[str]]] = {}
+_CANDIDATES: dict[int, tuple[dict[str, Any], int, list[str]]] = {}
 
 
 def _candidates(namespace: dict[str, Any]) -> list[str]:
@@ -174,8 +174,8 @@ def _candidates(namespace: dict[str, Any]) -> list[str]:
     modules, not functions without closures or defaults. ``None`` stays (a global lock
     made lazily, ``LOCK = None`` at import)."""
     known = _CANDIDATES.get(id(namespace))
-    if known is not None and known[0] == len(namespace):
-        return known[1]
+    if known is not None and known[0] is namespace and known[1] == len(namespace):
+        return known[2]
     here = namespace.get("__name__")
     names = []
     for key, item in list(namespace.items()):
@@ -194,7 +194,7 @@ def _candidates(namespace: dict[str, Any]) -> list[str]:
                 names.append(key)
         elif _handling(kind) != _SKIP or kind in _PROXIED:
             names.append(key)
-    _CANDIDATES[id(namespace)] = (len(namespace), names)
+    _CANDIDATES[id(namespace)] = (namespace, len(namespace), names)
     return names
 
 
@@ -235,14 +235,17 @@ class _Adopter:
     # -- one reference
 
     def _swap(self, container: Any, key: Any, where: int, old: Any, new: Any) -> None:
-        _put(container, key, where, new)
+        try:
+            _put(container, key, where, new)
+        except (AttributeError, TypeError):  # read-only (a frozen dataclass): unseen
+            return
         self.swapped += 1
 
         def undo() -> None:
             try:
                 if _get(container, key, where) is new:
                     _put(container, key, where, old)
-            except (AttributeError, IndexError, KeyError, ValueError):
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
                 pass  # the reference is gone (a finished thread's arguments)
 
         self.session.restores.append(undo)
@@ -264,6 +267,8 @@ class _Adopter:
         kind = type(value)
         handling = _HANDLING.get(kind)
         if handling is None:
+            if len(_HANDLING) > 10_000:  # classes made on the fly: do not keep them all
+                _HANDLING.clear()
             handling = _HANDLING[kind] = _handling(kind)
         if handling == _SKIP or id(value) in self.seen:
             return

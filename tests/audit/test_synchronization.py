@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _queue
 import _thread
+import dataclasses
 import queue
 import threading
 from threading import Lock  # a name imported from threading: swapped during an audit
@@ -161,3 +162,19 @@ def test_a_lock_only_in_a_running_frames_local_is_not_seen():
         thread.join(120)
     assert [r.kind for r in report.races] == ["concurrent_write"], str(report)
     assert report.races[0].evidence == "predicted"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frozen:
+    lock: object = dataclasses.field(default_factory=threading.Lock)
+
+
+FROZEN = Frozen()
+
+
+def test_a_lock_the_audit_cannot_swap_is_left_alone():
+    # A frozen dataclass with slots refuses the swap: the audit starts anyway, the lock stays as it
+    # is (unseen, as documented).
+    with audit():
+        assert type(FROZEN.lock) is RAW_LOCK
+    assert type(FROZEN.lock) is RAW_LOCK
