@@ -226,6 +226,18 @@ class _Session:
             self.clocks[key] = _join(self.clocks.get(key), state.vc)
         state.advance()
 
+    def released(self, lock: Any) -> None:
+        """:meth:`publish` for a lock, taken by the calling thread: the lock itself
+        serializes its releases, so its clock needs no other lock."""
+        state = self.state()
+        key = (id(lock), None)
+        clocks = self.clocks
+        mine = clocks.get(key)
+        if mine is None:
+            self.kept[id(lock)] = lock
+        clocks[key] = _join(mine, state.vc)
+        state.advance()
+
     def merge(self, obj: Any, part: Any = None) -> None:
         """An acquire of ``obj``: ordered after every earlier :meth:`publish` of it."""
         self.state().absorb(self.clocks.get((id(obj), part)))

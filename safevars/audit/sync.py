@@ -119,14 +119,21 @@ class _TrackedLock:
     def release(self) -> None:
         session = active._SESSION
         if session is not None:
-            session.publish(self.__wrapped__)
+            session.released(self.__wrapped__)
         self.__wrapped__.release()
 
     def __enter__(self) -> bool:
-        return self.acquire()
+        got = self.__wrapped__.acquire()
+        session = active._SESSION
+        if session is not None:
+            session.merge(self.__wrapped__)
+        return bool(got)
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.release()
+        session = active._SESSION
+        if session is not None:
+            session.released(self.__wrapped__)
+        self.__wrapped__.release()
 
     acquire_lock = acquire
     release_lock = release
@@ -158,7 +165,7 @@ class _TrackedRLock(_TrackedLock):
     def _release_save(self) -> Any:
         session = active._SESSION
         if session is not None:
-            session.publish(self.__wrapped__)
+            session.released(self.__wrapped__)
         return self.__wrapped__._release_save()
 
     def _acquire_restore(self, state: Any) -> None:
