@@ -43,8 +43,7 @@ from safevars.audit.sync import (
     _LOCK_TYPE,
     _RLOCK_TYPE,
     _SIMPLE_QUEUE_TYPE,
-    _TrackedPlainLock,
-    _TrackedRLock,
+    _tracked,
     _TrackedSimpleQueue,
 )
 
@@ -71,14 +70,10 @@ _ORIGINAL_IDS: set[int] = set()
 
 def _proxy(value: Any) -> Any:
     """The audit's proxy for a plain lock or ``SimpleQueue``, else None."""
-    kind = type(value)
-    if kind is _LOCK_TYPE:
-        return _TrackedPlainLock(value)
-    if kind is _RLOCK_TYPE:
-        return _TrackedRLock(value)
-    if kind is _SIMPLE_QUEUE_TYPE:
+    if type(value) is _SIMPLE_QUEUE_TYPE:
         return _TrackedSimpleQueue(value)
-    return None
+    tracked = _tracked(value)
+    return None if tracked is value else tracked
 
 
 _SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})

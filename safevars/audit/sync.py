@@ -90,14 +90,10 @@ def _made_by_project(depth: int) -> bool:
 # ---------------------------------------------------------------------- locks
 
 
-class _TrackedLock:
-    """A ``threading.Lock`` seen by the audit: the same underlying lock (``__wrapped__``),
-    with each acquire ordered after the release before it.
-
-    ``isinstance(proxy, type(threading.Lock()))`` holds (``__class__`` is forwarded, as
-    wrapt's proxies do); ``type(proxy)`` is this class. Attributes it does not define are
-    the wrapped lock's.
-    """
+class _Proxy:
+    """What the audit's proxies share: the wrapped object is ``__wrapped__``, its class
+    is forwarded (``isinstance`` holds, as with wrapt's proxies; ``type(proxy)`` is the
+    proxy's), and attributes the proxy does not define are the wrapped object's."""
 
     __slots__ = ("__wrapped__", "__weakref__")
 
@@ -107,6 +103,19 @@ class _TrackedLock:
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # noqa: D105
         return type(self.__wrapped__)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
+
+
+class _TrackedLock(_Proxy):
+    """A ``threading.Lock`` or ``RLock`` seen by the audit: the same underlying lock,
+    with each acquire ordered after the release before it."""
+
+    __slots__ = ()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         got = self.__wrapped__.acquire(blocking, timeout)
@@ -137,12 +146,6 @@ class _TrackedLock:
 
     acquire_lock = acquire
     release_lock = release
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__wrapped__, name)
-
-    def __repr__(self) -> str:
-        return repr(self.__wrapped__)
 
 
 class _TrackedPlainLock(_TrackedLock):
@@ -225,20 +228,6 @@ def _condition_init(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------- semaphores, events
 
 
-def _acquiring(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Semaphore.acquire`` (and ``__enter__``): ordered after earlier releases."""
-
-    @functools.wraps(original)
-    def audited_acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
-        got = original(self, *args, **kwargs)
-        session = active._SESSION
-        if got and session is not None and sys._getframe(1).f_code not in _INTERNAL_CALLERS:
-            session.merge(self)
-        return got
-
-    return audited_acquire
-
-
 def _releasing(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Semaphore.release``, ``Event.set``: ordered before later acquires."""
 
@@ -253,7 +242,8 @@ def _releasing(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _merging_if_true(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Event.wait``/``is_set``: true means the ``set`` happened before."""
+    """``Semaphore.acquire`` (and ``__enter__``), ``Event.wait``/``is_set``: true means
+    the release (the ``set``) happened before."""
 
     @functools.wraps(original)
     def audited_check(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -266,22 +256,42 @@ def _merging_if_true(original: Callable[..., Any]) -> Callable[..., Any]:
     return audited_check
 
 
-# ---------------------------------------------------------------------- barriers
+# ---------------------------------------------------------------------- barriers, queues
 
 
-def _barrier_enter(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Barrier._enter`` (under the barrier's lock, once the previous generation has
-    drained): the arrival of this generation."""
+def _then(edge: str, part: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper factory: the original, then ``session.<edge>(self, part)``
+    (``"merge"``: what returned is ordered after the releases; ``"publish"``)."""
 
-    @functools.wraps(original)
-    def audited_enter(self: Any) -> Any:
-        result = original(self)
-        session = active._SESSION
-        if session is not None:
-            session.publish(self, "arrivals")
-        return result
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def audited(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            session = active._SESSION
+            if session is not None:
+                getattr(session, edge)(self, part)
+            return result
 
-    return audited_enter
+        return audited
+
+    return factory
+
+
+def _first(part: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper factory: ``session.publish(self, part)``, then the original (what
+    follows the original's effect is ordered after this point)."""
+
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def audited(self: Any, *args: Any, **kwargs: Any) -> Any:
+            session = active._SESSION
+            if session is not None:
+                session.publish(self, part)
+            return original(self, *args, **kwargs)
+
+        return audited
+
+    return factory
 
 
 def _barrier_release(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,21 +306,6 @@ def _barrier_release(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self)
 
     return audited_release
-
-
-def _barrier_wait(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def audited_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        index = original(self, *args, **kwargs)
-        session = active._SESSION
-        if session is not None:
-            session.merge(self, "departures")
-        return index
-
-    return audited_wait
-
-
-# ---------------------------------------------------------------------- queues
 
 
 def _queue_put(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -339,29 +334,6 @@ def _queue_get(original: Callable[..., Any]) -> Callable[..., Any]:
         return item
 
     return audited_get
-
-
-def _task_done(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def audited_task_done(self: Any) -> Any:
-        session = active._SESSION
-        if session is not None:
-            session.publish(self, "tasks")
-        return original(self)
-
-    return audited_task_done
-
-
-def _queue_join(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def audited_join(self: Any) -> Any:
-        result = original(self)
-        session = active._SESSION
-        if session is not None:
-            session.merge(self, "tasks")
-        return result
-
-    return audited_join
 
 
 class _SimpleQueueClass(type):
@@ -402,18 +374,11 @@ class _AuditedSimpleQueue(_SIMPLE_QUEUE_TYPE, metaclass=_SimpleQueueClass):
         return self.get(False)
 
 
-class _TrackedSimpleQueue:
-    """A proxy for a ``queue.SimpleQueue`` made before the audit: the same queue
-    (``__wrapped__``), with its puts and gets recorded. ``__class__`` is forwarded."""
+class _TrackedSimpleQueue(_Proxy):
+    """A proxy for a ``queue.SimpleQueue`` made before the audit: the same queue, with
+    its puts and gets recorded."""
 
-    __slots__ = ("__wrapped__", "__weakref__")
-
-    def __init__(self, wrapped: Any) -> None:
-        self.__wrapped__ = wrapped
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D105
-        return type(self.__wrapped__)
+    __slots__ = ()
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         session = active._SESSION
@@ -434,12 +399,6 @@ class _TrackedSimpleQueue:
     def get_nowait(self) -> Any:
         return self.get(False)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__wrapped__, name)
-
-    def __repr__(self) -> str:
-        return repr(self.__wrapped__)
-
 
 def _simple_queue_class(original: Any) -> Any:
     return _AuditedSimpleQueue
@@ -458,20 +417,6 @@ def _work_item_run(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self)
 
     return audited_run
-
-
-def _future_set(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Future.set_result``/``set_exception``: the task happens before whoever sees the
-    future done."""
-
-    @functools.wraps(original)
-    def audited_set(self: Any, *args: Any, **kwargs: Any) -> Any:
-        session = active._SESSION
-        if session is not None:
-            session.publish(self)
-        return original(self, *args, **kwargs)
-
-    return audited_set
 
 
 def _merge_done(future: Any) -> None:
@@ -550,24 +495,27 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (threading, "Lock", _lock_factory),
         (threading, "RLock", _rlock_factory),
         (threading.Condition, "__init__", _condition_init),
-        (threading.Semaphore, "acquire", _acquiring),
-        (threading.Semaphore, "__enter__", _acquiring),
+        (threading.Semaphore, "acquire", _merging_if_true),
+        (threading.Semaphore, "__enter__", _merging_if_true),
         (threading.Semaphore, "release", _releasing),
         (threading.BoundedSemaphore, "release", _releasing),
         (threading.Event, "set", _releasing),
         (threading.Event, "wait", _merging_if_true),
         (threading.Event, "is_set", _merging_if_true),
-        (threading.Barrier, "_enter", _barrier_enter),
+        # Barrier._enter runs under the barrier's lock once the previous generation has
+        # drained: the arrivals of this generation; its last arrival calls _release.
+        (threading.Barrier, "_enter", _then("publish", "arrivals")),
         (threading.Barrier, "_release", _barrier_release),
-        (threading.Barrier, "wait", _barrier_wait),
+        (threading.Barrier, "wait", _then("merge", "departures")),
         (queue.Queue, "put", _queue_put),
         (queue.Queue, "get", _queue_get),
-        (queue.Queue, "task_done", _task_done),
-        (queue.Queue, "join", _queue_join),
+        (queue.Queue, "task_done", _first("tasks")),
+        (queue.Queue, "join", _then("merge", "tasks")),
         (queue, "SimpleQueue", _simple_queue_class),
         (futures_thread._WorkItem, "run", _work_item_run),
-        (futures_base.Future, "set_result", _future_set),
-        (futures_base.Future, "set_exception", _future_set),
+        # The task happens before whoever sees the future done.
+        (futures_base.Future, "set_result", _first()),
+        (futures_base.Future, "set_exception", _first()),
         (futures_base.Future, "result", _future_outcome),
         (futures_base.Future, "exception", _future_outcome),
         (futures_base.Future, "done", _future_done_wrapper),

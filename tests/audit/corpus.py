@@ -15,7 +15,9 @@ A program is ``run(**prepared)``: ``prepare()``, if any, runs before the audit b
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import select
@@ -65,47 +67,40 @@ def counter(name: str = "counter") -> tf.Variable:
 
 # ---------------------------------------------------------------------- locks
 
+
+def increments(guard: Callable[[int], Any]) -> None:
+    """Two threads add 1 to one variable ``ROUNDS`` times each, thread ``i`` inside
+    ``with guard(i):``."""
+    v = counter()
+
+    def work(i):
+        for _ in range(ROUNDS):
+            with guard(i):
+                rmw(v)
+
+    run_threads(2, work)
+
+
 # Made when this module is imported, long before any audit: found in the module globals.
 MODULE_LOCK = threading.Lock()
 
 
 @program(SAFE, "Lock")
 def lock_around_read_modify_write():
-    v, lock = counter(), threading.Lock()
-
-    def work(i):
-        for _ in range(ROUNDS):
-            with lock:
-                rmw(v)
-
-    run_threads(2, work)
+    lock = threading.Lock()
+    increments(lambda i: lock)
 
 
 @program(RACY, "Lock")
 def lock_taken_by_one_thread_only():
-    v, lock = counter(), threading.Lock()
-
-    def work(i):
-        for _ in range(ROUNDS):
-            if i == 0:
-                with lock:
-                    rmw(v)
-            else:
-                rmw(v)
-
-    run_threads(2, work)
+    lock = threading.Lock()
+    increments(lambda i: lock if i == 0 else contextlib.nullcontext())
 
 
 @program(RACY, "Lock")
 def lock_one_per_thread():
-    v, locks = counter(), [threading.Lock(), threading.Lock()]
-
-    def work(i):
-        for _ in range(ROUNDS):
-            with locks[i]:
-                rmw(v)
-
-    run_threads(2, work)
+    locks = [threading.Lock(), threading.Lock()]
+    increments(lambda i: locks[i])
 
 
 @program(RACY, "Lock")
@@ -156,14 +151,7 @@ def lock_released_between_read_and_write():
 
 @program(SAFE, "Lock (module global, made before the audit)")
 def lock_made_before_the_audit_in_a_global():
-    v = counter()
-
-    def work(i):
-        for _ in range(ROUNDS):
-            with MODULE_LOCK:
-                rmw(v)
-
-    run_threads(2, work)
+    increments(lambda i: MODULE_LOCK)
 
 
 class Account:
@@ -216,17 +204,8 @@ def rlock_taken_twice():
 
 @program(RACY, "RLock")
 def rlock_taken_by_one_thread_only():
-    v, lock = counter(), threading.RLock()
-
-    def work(i):
-        for _ in range(ROUNDS):
-            if i == 0:
-                with lock:
-                    rmw(v)
-            else:
-                rmw(v)
-
-    run_threads(2, work)
+    lock = threading.RLock()
+    increments(lambda i: lock if i == 0 else contextlib.nullcontext())
 
 
 # ---------------------------------------------------------------------- conditions
@@ -273,14 +252,8 @@ def condition_notified_before_the_write():
 
 @program(SAFE, "Semaphore")
 def semaphore_as_a_mutex():
-    v, sem = counter(), threading.Semaphore(1)
-
-    def work(i):
-        for _ in range(ROUNDS):
-            with sem:
-                rmw(v)
-
-    run_threads(2, work)
+    sem = threading.Semaphore(1)
+    increments(lambda i: sem)
 
 
 @program(RACY, "Semaphore")
@@ -393,34 +366,33 @@ def _hand_off(make_queue: Callable[[], Any], put_first: bool) -> None:
     run_threads(2, work)
 
 
-@program(SAFE, "Queue")
-def queue_put_after_the_write():
-    _hand_off(queue.Queue, put_first=False)
+def _new_queue(kind: str) -> Callable[[], Any]:
+    return lambda: getattr(queue, kind)()  # looked up when called: inside the audit
 
 
-@program(RACY, "Queue")
-def queue_put_before_the_write():
-    _hand_off(queue.Queue, put_first=True)
-
-
-@program(SAFE, "LifoQueue")
-def lifo_queue_put_after_the_write():
-    _hand_off(queue.LifoQueue, put_first=False)
-
-
-@program(SAFE, "PriorityQueue")
-def priority_queue_put_after_the_write():
-    _hand_off(queue.PriorityQueue, put_first=False)
-
-
-@program(SAFE, "SimpleQueue")
-def simple_queue_put_after_the_write():
-    _hand_off(queue.SimpleQueue, put_first=False)
-
-
-@program(RACY, "SimpleQueue")
-def simple_queue_put_before_the_write():
-    _hand_off(queue.SimpleQueue, put_first=True)
+for _kind, _name, _racy_too in (
+    ("Queue", "queue", True),
+    ("LifoQueue", "lifo_queue", False),
+    ("PriorityQueue", "priority_queue", False),
+    ("SimpleQueue", "simple_queue", True),
+):
+    PROGRAMS.append(
+        Program(
+            f"{_name}_put_after_the_write",
+            SAFE,
+            _kind,
+            functools.partial(_hand_off, _new_queue(_kind), put_first=False),
+        )
+    )
+    if _racy_too:
+        PROGRAMS.append(
+            Program(
+                f"{_name}_put_before_the_write",
+                RACY,
+                _kind,
+                functools.partial(_hand_off, _new_queue(_kind), put_first=True),
+            )
+        )
 
 
 @program(
@@ -614,54 +586,103 @@ def _pair(kind: Callable[..., Any] = tf.Variable) -> tuple[Any, Any]:
     return kind(0.0, name="a"), kind(0.0, name="b")
 
 
-@program(RACY, "torn read (plain writes)")
-def torn_read_of_two_plain_writes():
-    a, b = _pair()
+def _writer_and_reader(
+    a: Any, b: Any, guard: Any, write: Callable[[float], Any], read: Callable[[], Any]
+) -> None:
+    """Thread 0 calls ``write(n)`` and thread 1 ``read()``, ``ROUNDS`` times each; the
+    writer inside ``with guard(0):``, the reader inside ``with guard(1):``."""
 
     def work(i):
         for n in range(ROUNDS):
-            if i == 0:
-                a.assign(float(n))
-                b.assign(float(n))
-            else:
-                assert np.isfinite(a.numpy() - b.numpy())
+            with guard(i):
+                if i == 0:
+                    write(float(n))
+                else:
+                    read()
 
     run_threads(2, work)
+
+
+def _assign_both(a: Any, b: Any) -> Callable[[float], None]:
+    def write(n: float) -> None:
+        a.assign(n)
+        b.assign(n)
+
+    return write
+
+
+def _in_one_section(a: Any, b: Any) -> Callable[[float], None]:
+    def write(n: float) -> None:
+        with safevars.locked(a, b):  # one section: seen whole or not at all
+            a.assign(n)
+            b.assign(n)
+
+    return write
+
+
+def _plain_reads(a: Any, b: Any) -> Callable[[], None]:
+    return lambda: np.isfinite(a.numpy() - b.numpy())  # a and b read apart
+
+
+def _unguarded(i: int) -> Any:
+    return contextlib.nullcontext()
+
+
+@program(RACY, "torn read (plain writes)")
+def torn_read_of_two_plain_writes():
+    a, b = _pair()
+    _writer_and_reader(a, b, _unguarded, _assign_both(a, b), _plain_reads(a, b))
 
 
 @program(SAFE, "torn read (snapshot of one section)")
 def snapshot_of_a_section():
     a, b = _pair(safevars.SafeVariable)
 
-    def work(i):
-        for n in range(ROUNDS):
-            if i == 0:
-                with safevars.locked(a, b):
-                    a.assign(float(n))
-                    b.assign(float(n))
-            else:
-                snap_a, snap_b = safevars.snapshot([a, b])
-                assert snap_a.numpy() == snap_b.numpy()
+    def read():
+        snap_a, snap_b = safevars.snapshot([a, b])
+        assert snap_a.numpy() == snap_b.numpy()
 
-    run_threads(2, work)
+    _writer_and_reader(a, b, _unguarded, _in_one_section(a, b), read)
 
 
 @program(RACY, "torn read (two snapshots taken apart)")
 def two_snapshots_taken_apart():
     a, b = _pair(safevars.SafeVariable)
 
-    def work(i):
-        for n in range(ROUNDS):
-            if i == 0:
-                with safevars.locked(a, b):
-                    a.assign(float(n))
-                    b.assign(float(n))
-            else:
-                (snap_a,) = safevars.snapshot([a])
-                (snap_b,) = safevars.snapshot([b])  # another instant
-                assert np.isfinite(snap_a.numpy() - snap_b.numpy())
+    def read():
+        (snap_a,) = safevars.snapshot([a])
+        (snap_b,) = safevars.snapshot([b])  # another instant
+        assert np.isfinite(snap_a.numpy() - snap_b.numpy())
 
-    run_threads(2, work)
+    _writer_and_reader(a, b, _unguarded, _in_one_section(a, b), read)
+
+
+@program(RACY, "torn read (plain reads of one section)")
+def plain_reads_of_a_section():
+    a, b = _pair(safevars.SafeVariable)
+    _writer_and_reader(a, b, _unguarded, _in_one_section(a, b), _plain_reads(a, b))
+
+
+@program(SAFE, "torn read (one Lock on both sides)")
+def reads_and_writes_under_one_lock():
+    a, b = _pair()
+    lock = threading.Lock()
+    _writer_and_reader(a, b, lambda i: lock, _assign_both(a, b), _plain_reads(a, b))
+
+
+@program(RACY, "torn read (Lock on the writer only)")
+def lock_on_the_writer_only():
+    a, b = _pair()
+    lock = threading.Lock()
+    guard = lambda i: lock if i == 0 else contextlib.nullcontext()  # noqa: E731
+    _writer_and_reader(a, b, guard, _assign_both(a, b), _plain_reads(a, b))
+
+
+@program(RACY, "torn read (tf.function update)")
+def tf_function_update_read_eagerly():
+    a, b = _pair()
+    update = tf.function(_assign_both(a, b))
+    _writer_and_reader(a, b, _unguarded, lambda n: update(tf.constant(n)), _plain_reads(a, b))
 
 
 @program(RACY, "SafeVariable (assign of a snapshot's value)")
@@ -684,75 +705,6 @@ def snapshot_then_compare_and_assign():
         while done < ROUNDS:
             snap = v.snapshot()
             done += bool(v.compare_and_assign(snap.value + 1.0, snap.version))
-
-    run_threads(2, work)
-
-
-@program(RACY, "torn read (plain reads of one section)")
-def plain_reads_of_a_section():
-    a, b = _pair(safevars.SafeVariable)
-
-    def work(i):
-        for n in range(ROUNDS):
-            if i == 0:
-                with safevars.locked(a, b):
-                    a.assign(float(n))
-                    b.assign(float(n))
-            else:
-                assert np.isfinite(a.numpy() - b.numpy())
-
-    run_threads(2, work)
-
-
-@program(SAFE, "torn read (one Lock on both sides)")
-def reads_and_writes_under_one_lock():
-    a, b = _pair()
-    lock = threading.Lock()
-
-    def work(i):
-        for n in range(ROUNDS):
-            with lock:
-                if i == 0:
-                    a.assign(float(n))
-                    b.assign(float(n))
-                else:
-                    assert a.numpy() == b.numpy()
-
-    run_threads(2, work)
-
-
-@program(RACY, "torn read (Lock on the writer only)")
-def lock_on_the_writer_only():
-    a, b = _pair()
-    lock = threading.Lock()
-
-    def work(i):
-        for n in range(ROUNDS):
-            if i == 0:
-                with lock:
-                    a.assign(float(n))
-                    b.assign(float(n))
-            else:
-                assert np.isfinite(a.numpy() - b.numpy())
-
-    run_threads(2, work)
-
-
-@program(RACY, "torn read (tf.function update)")
-def tf_function_update_read_eagerly():
-    a, b = _pair()
-
-    @tf.function
-    def update(n):
-        a.assign(n)
-        b.assign(n)
-
-    def work(i):
-        for n in range(ROUNDS):
-            if i == 0:
-                update(tf.constant(float(n)))
-            else:
-                assert np.isfinite(a.numpy() - b.numpy())
 
     run_threads(2, work)
 
