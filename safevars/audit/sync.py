@@ -191,15 +191,29 @@ def _tracked(lock: Any) -> Any:
     return lock
 
 
-def _lock_factory(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replaces ``threading.Lock`` while an audit is active."""
+class _LockClass(type):
+    """The metaclass of :class:`_Lock`: calling it makes a lock (a proxy for the
+    project's code), ``isinstance`` and ``issubclass`` answer for the lock type (on
+    Python 3.13 ``threading.Lock`` is that type: code checking against it keeps working
+    during an audit)."""
 
-    @functools.wraps(original)
-    def Lock() -> Any:  # noqa: N802 - stands in for threading.Lock
+    def __call__(cls) -> Any:
         lock = _new_lock()
         return _TrackedPlainLock(lock) if _made_by_project(1) else lock
 
-    return Lock
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _LOCK_TYPE)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _LOCK_TYPE)
+
+
+class _Lock(metaclass=_LockClass):
+    """``threading.Lock`` while an audit is active."""
+
+
+def _lock_factory(original: Any) -> Any:
+    return _Lock
 
 
 def _rlock_factory(original: Callable[..., Any]) -> Callable[..., Any]:
