@@ -716,7 +716,7 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
     return np.ones((4, 3), "float32"), np.ones((4, 2), "float32")
 
 
-def _model() -> keras.Model:
+def small_model() -> keras.Model:
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
     return model
@@ -724,16 +724,16 @@ def _model() -> keras.Model:
 
 def _scoped_model() -> keras.Model:
     with safevars.scope():
-        return _model()
+        return small_model()
 
 
-@program(RACY, "Keras train_on_batch from two threads", lambda: {"model": _model()})
+@program(RACY, "Keras train_on_batch from two threads", lambda: {"model": small_model()})
 def keras_train_on_batch_from_two_threads(model):
     x, y = _data()
     run_threads(2, lambda i: [model.train_on_batch(x, y) for _ in range(2)])
 
 
-@program(SAFE, "Keras train_on_batch under a Lock", lambda: {"model": _model()})
+@program(SAFE, "Keras train_on_batch under a Lock", lambda: {"model": small_model()})
 def keras_train_on_batch_under_a_lock(model):
     x, y = _data()
     lock = threading.Lock()
@@ -762,7 +762,7 @@ def _gradient_step(model, optimizer, x, y):
 @program(
     RACY,
     "Keras apply_gradients from two threads (shared weights read unlocked)",
-    lambda: {"model": _model(), "optimizer": safevars.SafeOptimizer(keras.optimizers.SGD(0.01))},
+    lambda: {"model": small_model(), "optimizer": safevars.SafeOptimizer(keras.optimizers.SGD(0.01))},
 )
 def keras_safe_optimizer_with_unlocked_forward_pass(model, optimizer):
     # SafeOptimizer makes each update one section, but the forward pass reads weights
@@ -775,7 +775,7 @@ def keras_safe_optimizer_with_unlocked_forward_pass(model, optimizer):
 @program(
     SAFE,
     "Keras custom training step under a Lock",
-    lambda: {"model": _model(), "optimizer": keras.optimizers.SGD(0.01, momentum=0.9)},
+    lambda: {"model": small_model(), "optimizer": keras.optimizers.SGD(0.01, momentum=0.9)},
 )
 def keras_custom_step_under_a_lock(model, optimizer):
     x, y = _data()

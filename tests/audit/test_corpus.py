@@ -9,12 +9,17 @@ figures are printed for comparison (it reports only what it saw overlap).
 
 from __future__ import annotations
 
+import os
 import re
+import select
 
+import numpy as np
 import pytest
 
 from safevars.audit import audit
 from tests.audit.corpus import PROGRAMS, RACY, SAFE
+from tests.audit.corpus import small_model
+from tests.support.threading_harness import JOIN_TIMEOUT, run_threads
 
 
 def _run(program):
@@ -124,3 +129,31 @@ def test_an_optimizer_step_with_an_unlocked_forward_pass_is_a_torn_read():
     assert races and {r.kind for r in races} == {"torn_read"}, str(predictive)
     assert all("apply_gradients" in r.calls for r in races)
     assert all("safevars.snapshot(model)" in r.fix for r in races)
+
+
+def test_train_on_batch_in_turn_is_still_reported():
+    # The two threads' calls never overlap: the second starts once the first is done,
+    # ordered through a pipe (the audit does not see it). Nothing the audit understands
+    # orders them, so the default mode reports them (predicted); predictive=False
+    # cannot, having seen nothing overlap.
+    model = small_model()
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 2), "float32")
+    read_end, write_end = os.pipe()
+
+    def work(i):
+        if i == 1:
+            ready, _, _ = select.select([read_end], [], [], JOIN_TIMEOUT)
+            assert ready and os.read(read_end, 1) == b"x"
+        model.train_on_batch(x, y)
+        if i == 0:
+            os.write(write_end, b"x")
+
+    try:
+        with audit() as predictive, audit(predictive=False) as observed:
+            run_threads(2, work)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert predictive.races, str(predictive)
+    assert {r.evidence for r in predictive.races} == {"predicted"}, str(predictive)
+    assert observed.races == [], str(observed)
