@@ -762,7 +762,10 @@ def _gradient_step(model, optimizer, x, y):
 @program(
     RACY,
     "Keras apply_gradients from two threads (shared weights read unlocked)",
-    lambda: {"model": small_model(), "optimizer": safevars.SafeOptimizer(keras.optimizers.SGD(0.01))},
+    lambda: {
+        "model": small_model(),
+        "optimizer": safevars.SafeOptimizer(keras.optimizers.SGD(0.01)),
+    },
 )
 def keras_safe_optimizer_with_unlocked_forward_pass(model, optimizer):
     # SafeOptimizer makes each update one section, but the forward pass reads weights

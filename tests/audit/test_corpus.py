@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from safevars.audit import audit
-from tests.audit.corpus import PROGRAMS, RACY, SAFE
-from tests.audit.corpus import small_model
+from tests.audit.corpus import PROGRAMS, RACY, SAFE, small_model
 from tests.support.threading_harness import JOIN_TIMEOUT, run_threads
 
 
