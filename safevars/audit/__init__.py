@@ -174,9 +174,10 @@ Bottom to top: each module imports only modules listed before it.
 
 * ``report.py``: :class:`AuditReport`, :class:`Race` and their text; the race kinds,
   evidences and the fix each finding suggests.
-* ``happens_before.py``: the analysis: vector clocks per thread and per
-  synchronization object, runs, the lock sets of an access, the detector (windows,
-  conflicts, views and updates, findings) and the lock that guards it.
+* ``clocks.py``: vector clocks per thread and per synchronization object, runs.
+* ``happens_before.py``: the analysis: accesses, the lock sets of an access, the
+  detector (windows, conflicts, views and updates, findings) and the lock that guards
+  it.
 * ``active.py``: the audits active now and the state they share.
 * ``sites.py``: the user line of an access (stack frames classified by file, AutoGraph's
   generated code mapped back), the Keras call it came from and the Keras variable

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from safevars.audit import active
-from safevars.audit.happens_before import _Session
+from safevars.audit.clocks import _Session
 from safevars.audit.sites import _is_project_file
 from safevars.audit.sync import (
     _LOCK_TYPE,

@@ -19,7 +19,8 @@ from safevars._tf_internal import concrete_function, critical_section_ops, resou
 from safevars.audit import active, sync
 from safevars.audit.active import _DETECT_LOCK
 from safevars.audit.adopting import _start_wrapper, _work_item_init, adopt_existing, restore
-from safevars.audit.happens_before import _Detector, _Session
+from safevars.audit.clocks import _Session
+from safevars.audit.happens_before import _Detector
 from safevars.audit.recording import (
     _READ_METHODS,
     _WRITE_METHODS,

@@ -22,6 +22,7 @@ from safevars._tf_internal import eager_context_module as context
 from safevars._tf_internal import ops
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK, _deliver
+from safevars.audit.clocks import _Session
 from safevars.audit.happens_before import (
     _READ,
     _SECTION_IDS,
@@ -31,7 +32,6 @@ from safevars.audit.happens_before import (
     _WRITE,
     _Access,
     _eager_protection,
-    _Session,
 )
 from safevars.audit.sites import _IGNORE, _VALIDATE, _keras_path, _user_site
 from safevars.audit.tf_function import (

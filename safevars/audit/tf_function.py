@@ -27,12 +27,12 @@ from safevars._tf_internal import (
 from safevars._tf_internal import eager_context_module as context
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK
+from safevars.audit.clocks import _Run
 from safevars.audit.happens_before import (
     _SECTION_IDS,
     _SEQ,
     _Access,
     _eager_protection,
-    _Run,
 )
 from safevars.audit.sites import _user_site
 
