@@ -180,17 +180,28 @@ def _candidates(namespace: dict[str, Any]) -> list[str]:
         if item is None or id(item) in _ORIGINAL_IDS:
             names.append(key)
         elif kind is types.FunctionType:
-            if item.__module__ == here and (
-                item.__closure__ or item.__defaults__ or item.__kwdefaults__
-            ):
+            if item.__module__ == here and _may_hold(item):
                 names.append(key)
         elif isinstance(item, type):
-            if item.__module__ == here:
-                names.append(key)
+            if item.__module__ == here and any(
+                value is None or type(value) not in _METHODS
+                for name, value in vars(item).items()
+                if not name.startswith("__")
+            ):
+                names.append(key)  # a class with attributes besides its methods
         elif _handling(kind) != _SKIP or kind in _PROXIED:
             names.append(key)
     _CANDIDATES[id(namespace)] = (namespace, len(namespace), names)
     return names
+
+
+def _may_hold(fn: types.FunctionType) -> bool:
+    """Whether a function could reference a lock: a closure, or a default argument that
+    is not a constant (``None`` defaults are constants: they are never rebound)."""
+    if fn.__closure__:
+        return True
+    defaults = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    return any(type(value) not in _SCALARS for value in defaults)
 
 
 # Where a reference lives: ``container[key]``, ``getattr(container, key)`` or a cell.
@@ -335,7 +346,7 @@ class _Adopter:
             except ValueError:  # an empty cell (a name assigned later)
                 continue
             self._slot(cell, None, _CELL, item, depth)
-        if fn.__defaults__:
+        if fn.__defaults__ and _may_hold(fn):
             self.arguments(fn, "__defaults__", depth)
         if fn.__kwdefaults__:
             self.mapping(fn.__kwdefaults__, depth)
