@@ -141,8 +141,10 @@ def package(session: nox.Session) -> None:
     (wheel,) = DIST.glob("safevars-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = sorted({n.split("/")[0] for n in names})
-    if [t for t in tops if not t.startswith("safevars")] or "safevars/py.typed" not in names:
-        session.error(f"the wheel should hold safevars/ (with py.typed) only: {tops}")
+    plugin = "_safevars_pytestplugin.py"  # pytest --safevars-audit (entry point pytest11)
+    others = [t for t in tops if not t.startswith("safevars") and t != plugin]
+    if others or plugin not in tops or "safevars/py.typed" not in names:
+        session.error(f"the wheel should hold safevars/ (with py.typed) and {plugin}: {tops}")
     session.log(f"{wheel.name}: {len(names)} files, {wheel.stat().st_size} bytes")
 
 

@@ -11,15 +11,22 @@ Every case times the same eager work on a plain ``tf.Variable`` twice, A/B inter
 
 Cases: ``read`` (``read_value``), ``assign`` (``read_value=False``) and
 ``read_modify_write`` (``v.assign(v.read_value() + 1)``, the pattern the audit looks
-for) on a scalar, 1K elements and the context's sizes; a ``tf.function`` call (traced
-inside an audit, so each call replays its two traced accesses); and ``enter_exit``
-(``with safevars.audit(): pass`` against ``contextlib.nullcontext()``). One thread: the
-audit's cost is per access (a bookkeeping lock and a short stack walk), not contention.
+for) on a scalar, 1K elements and the context's sizes; ``locked_read_modify_write``, the
+same under a ``threading.Lock`` made in the timed call (inside the audit it is one of the
+audit's tracked locks: each acquire and release also moves a vector clock); a
+``tf.function`` call (traced inside an audit, so each call replays its two traced
+accesses); and ``enter_exit`` (``with safevars.audit(): pass`` against
+``contextlib.nullcontext()``: the patches installed, the project's modules and running
+frames searched for locks made before the audit, everything undone). One thread: the
+audit's cost is per access (a bookkeeping lock, a short stack walk, the run's record for
+torn reads), not contention; every case runs with the synchronization tracking on, as
+every audit does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +39,7 @@ FAMILY = "audit"
 DESCRIPTION = "eager reads/writes of a plain tf.Variable: audit active vs inactive"
 ORDER = 8
 
-OPS = ("read", "assign", "read_modify_write")
+OPS = ("read", "assign", "read_modify_write", "locked_read_modify_write")
 OPS_PER_CALL = 100
 
 
@@ -52,6 +59,13 @@ def _work(op: str, v: tf.Variable, value: tf.Tensor, n: int) -> Callable[[], Any
         def work() -> None:
             for _ in range(n):
                 v.assign(v.read_value() + value, read_value=False)
+    elif op == "locked_read_modify_write":
+
+        def work() -> None:
+            lock = threading.Lock()  # inside the audit: a tracked lock
+            for _ in range(n):
+                with lock:
+                    v.assign(v.read_value() + value, read_value=False)
     else:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
     return work
