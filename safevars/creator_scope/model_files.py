@@ -70,40 +70,45 @@ def _load_protected(load: Callable[[], Any]) -> Any:
         return load()
 
 
-def loading_from_fileobj(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps ``_load_model_from_fileobj(fileobj, ...)`` (``.keras`` zips, pickles, copies)."""
+def _zip_metadata(fileobj: Any) -> bytes | None:
+    try:
+        with zipfile.ZipFile(fileobj, "r") as archive:  # leaves fileobj open
+            return archive.read(_METADATA) if _METADATA in archive.namelist() else None
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None  # Keras' own load reports what is wrong with the file
 
-    def load(fileobj: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            with zipfile.ZipFile(fileobj, "r") as archive:  # leaves fileobj open
-                metadata = archive.read(_METADATA) if _METADATA in archive.namelist() else None
-        except (zipfile.BadZipFile, OSError, ValueError):
-            metadata = None  # Keras' own load reports what is wrong with the file
-        if not _marked(metadata):
-            return original(fileobj, *args, **kwargs)
-        return _load_protected(lambda: original(fileobj, *args, **kwargs))
+
+def _dir_metadata(dirpath: Any) -> bytes | None:
+    try:
+        with open(os.path.join(str(dirpath), _METADATA), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _loading(
+    original: Callable[..., Any], metadata_of: Callable[[Any], bytes | None]
+) -> Callable[..., Any]:
+    """Wraps a Keras loader whose first argument ``metadata_of`` reads the metadata of."""
+
+    def load(source: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _marked(metadata_of(source)):
+            return original(source, *args, **kwargs)
+        return _load_protected(lambda: original(source, *args, **kwargs))
 
     load.__wrapped__ = original  # type: ignore[attr-defined]
     load._safevars = True  # type: ignore[attr-defined]
     return load
+
+
+def loading_from_fileobj(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``_load_model_from_fileobj(fileobj, ...)`` (``.keras`` zips, pickles, copies)."""
+    return _loading(original, _zip_metadata)
 
 
 def loading_from_dir(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps ``_load_model_from_dir(dirpath, ...)`` (an unzipped ``.keras`` directory)."""
-
-    def load(dirpath: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            with open(os.path.join(str(dirpath), _METADATA), "rb") as f:
-                metadata: bytes | None = f.read()
-        except OSError:
-            metadata = None
-        if not _marked(metadata):
-            return original(dirpath, *args, **kwargs)
-        return _load_protected(lambda: original(dirpath, *args, **kwargs))
-
-    load.__wrapped__ = original  # type: ignore[attr-defined]
-    load._safevars = True  # type: ignore[attr-defined]
-    return load
+    return _loading(original, _dir_metadata)
 
 
 def cloning(original: Callable[..., Any]) -> Callable[..., Any]:

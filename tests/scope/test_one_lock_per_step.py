@@ -119,17 +119,23 @@ def traced_step_ops(how: str, kind: str, variables: int) -> collections.Counter:
         step(x, y)
         graph = step.get_concrete_function(x, y).graph
     else:
-        graphs = []
-        train_step = model.train_step
-
-        def recording(data):
-            graphs.append(tf.compat.v1.get_default_graph())
-            return train_step(data)
-
-        model.train_step = recording
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-        graph = graphs[-1]  # (traced again with a relaxed input shape)
+        graph = train_graph(model, lambda: model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0))
     return collections.Counter(op.type for op in all_ops(graph))
+
+
+def train_graph(model, train):
+    """The graph of ``model``'s train step as ``train()`` traces it (the last trace: fit
+    traces again with a relaxed input shape)."""
+    graphs = []
+    train_step = model.train_step
+
+    def recording(data):
+        graphs.append(tf.compat.v1.get_default_graph())
+        return train_step(data)
+
+    model.train_step = recording
+    train()
+    return graphs[-1]
 
 
 SAFEVARS_OPS = ("MutexLock", "ConsumeMutexLock", "AssignAddVariableOp")

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import safevars
 from safevars.creator_scope import scope
-from tests.scope.test_one_lock_per_step import all_ops
+from tests.scope.test_one_lock_per_step import all_ops, train_graph
 from tests.support.threading_harness import run_threads
 
 BATCH = 8
@@ -115,16 +115,7 @@ def test_a_protected_model_trains_with_one_lock_per_step(kind):
     x, y = data(BATCH)
     model.train_on_batch(x, y)  # traced over plain variables
     safevars.protect(model)
-    graphs = []
-    step = model.train_step
-
-    def recording(batch):
-        graphs.append(tf.compat.v1.get_default_graph())
-        return step(batch)
-
-    model.train_step = recording
-    model.train_on_batch(x, y)
-    ops = [op.type for op in all_ops(graphs[-1])]
+    ops = [op.type for op in all_ops(train_graph(model, lambda: model.train_on_batch(x, y)))]
     assert ops.count("MutexLock") == ops.count("ConsumeMutexLock") == 1
 
 
