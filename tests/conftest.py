@@ -7,7 +7,14 @@
 * ``pytest-timeout`` must be active (the ``timeout`` in ``pyproject.toml`` is its option):
   without it a hang that a thread join does not catch blocks the run forever. A run without
   the plugin fails at start-up when ``CI`` is set to true, and otherwise warns in the
-  header, as a warning and again in the summary.
+  header, as a warning and again in the summary. Its per-test limit is multiplied by
+  ``SAFEVARS_TEST_TIMEOUT_SCALE`` (``tests/support/deadlines.py``), as every deadline of
+  the tests is.
+* The run is spread over worker processes by pytest-xdist (in the ``test`` extra): as
+  many as the machine has CPUs, ``--dist loadgroup``, so the tests of one
+  ``xdist_group`` mark (a module-scoped cluster or benchmark run that its tests share)
+  run in one worker. Set here rather than in ``addopts``, so that ``-p no:xdist`` (and a
+  run without the plugin) still works; ``-n 0`` runs in one process, ``-n N`` in N.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+from tests.support.deadlines import scaled  # noqa: E402
 
 NUM_LOGICAL_CPUS = 2
 
@@ -84,9 +93,12 @@ def _on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-timeout's own, whose limit it scales
 def pytest_configure(config: pytest.Config) -> None:
-    """Fails the run on CI, and warns elsewhere, when pytest-timeout is not active."""
+    """Fails the run on CI, and warns elsewhere, when pytest-timeout is not active;
+    scales its per-test limit otherwise."""
     if not _timeout_plugin_missing(config):
+        _scale_the_per_test_timeout(config)
         return
     if _on_ci():
         raise pytest.UsageError(f"CI is set: refusing to run. {_NO_TIMEOUT_MESSAGE}")
@@ -109,3 +121,33 @@ def pytest_terminal_summary(
     if _timeout_plugin_missing(config):
         terminalreporter.write_sep("!", "pytest-timeout is not active", red=True, bold=True)
         terminalreporter.write_line(f"WARNING: {_NO_TIMEOUT_MESSAGE}", red=True, bold=True)
+
+
+def _scale_the_per_test_timeout(config: pytest.Config) -> None:
+    """pytest-timeout's limit (``timeout`` in ``pyproject.toml``, ``PYTEST_TIMEOUT`` or
+    ``--timeout``, as the plugin resolved it; 0 is off) times the documented factor."""
+    base = getattr(config, "_env_timeout", None)
+    if base:
+        config._env_timeout = scaled(base)
+
+
+# ---------------------------------------------------------------------- pytest-xdist
+
+#: Worker processes when the command line says nothing: one per CPU.
+WORKERS = "auto"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the options
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Runs the suite in parallel (``-n auto --dist loadgroup``) unless the command line
+    says otherwise (``-n``, ``--dist``, ``-p no:xdist``) or this is a worker already."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    option = config.option
+    if (
+        option.numprocesses is None
+        and getattr(option, "dist", "no") == "no"
+        and not getattr(option, "tx", None)
+    ):
+        option.numprocesses = WORKERS
+        option.dist = "loadgroup"

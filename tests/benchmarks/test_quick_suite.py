@@ -16,6 +16,10 @@ import pytest
 from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, plots, report, schema
 from tests.support.benchmark_fakes import png_size
 
+# One pytest-xdist worker runs this module (--dist loadgroup):
+# its --quick run (a module fixture) runs once.
+pytestmark = pytest.mark.xdist_group("quick_suite")
+
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
 TINY = [
     "--quick",

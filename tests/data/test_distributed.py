@@ -19,6 +19,10 @@ import tensorflow as tf
 from safevars.data import ShardedInput
 from tests.distributed.cluster_harness import run_on_ports, script
 
+# One pytest-xdist worker runs this module (--dist loadgroup):
+# its clusters (a module fixture) run once.
+pytestmark = pytest.mark.xdist_group("data_clusters")
+
 SEED, OTHER_SEED = 2024, 7
 MWMS_WORKERS, LOCAL_REPLICAS = 2, 2
 SPREAD = dict(size=23, batch=2)  # tests/distributed/scripts/data_mwms.py's cases
