@@ -60,7 +60,7 @@ CORE_TESTS = [
     "tests/optimizer/test_mirrored.py",
     # safevars.scope(): one lock per step, fit, the mistakes it absorbs (not clusters)
     "tests/scope/test_scope.py",
-    # (the lock count at 2 and 200 variables for one kind of step: about 20 s each)
+    # (the lock count at 2 and 16 variables for one kind of step)
     "tests/scope/test_one_lock_per_step.py::test_a_traced_step_takes_one_lock_whatever_the_model_size[fit-safe]",
     "tests/scope/test_one_lock_per_step.py::test_threads_training_a_scope_model_equal_the_same_steps_in_one_thread",
     "tests/scope/test_one_lock_per_step.py::test_threads_running_fit_steps_equal_the_same_steps_in_one_thread",

@@ -151,7 +151,7 @@ def test_benchmark_cli_hides_the_startup_log_and_verbose_shows_it(tmp_path):
             [*command, "--out", str(tmp_path / mode), *extra],
             capture_output=True,
             text=True,
-            timeout=scaled(120),
+            timeout=scaled(300),
             cwd=REPO,
             env={**ENV, "PYTHONPATH": REPO},
         )

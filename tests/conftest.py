@@ -11,16 +11,18 @@
   ``SAFEVARS_TEST_TIMEOUT_SCALE`` (``tests/support/deadlines.py``), as every deadline of
   the tests is.
 * The run is spread over worker processes by pytest-xdist (in the ``test`` extra): as
-  many as the machine has CPUs, ``--dist loadgroup``, so the tests of one
-  ``xdist_group`` mark (a module-scoped cluster or benchmark run that its tests share)
-  run in one worker. Set here rather than in ``addopts``, so that ``-p no:xdist`` (and a
-  run without the plugin) still works; ``-n 0`` runs in one process, ``-n N`` in N.
+  many as the machine has CPUs, ``--dist loadfile``, so each test file runs whole in one
+  worker, in order, as it does without xdist: a module-scoped fixture (a subprocess
+  cluster, the quick benchmark run, the documentation blocks) runs once. Set here
+  rather than in ``addopts``, so that ``-p no:xdist`` (and a run without the plugin)
+  still works; ``-n 0`` runs in one process, ``-n N`` in N.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -117,7 +119,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
-    """Repeats it at the end, where it is seen after a long run."""
+    """Repeats it at the end, where it is seen after a long run; under pytest-xdist, prints
+    the documentation blocks' timings a worker handed back."""
+    if _FROM_WORKERS:
+        from tests.docs.conftest import summarize
+
+        summarize(terminalreporter, _FROM_WORKERS["timings"], _FROM_WORKERS["run"])
     if _timeout_plugin_missing(config):
         terminalreporter.write_sep("!", "pytest-timeout is not active", red=True, bold=True)
         terminalreporter.write_line(f"WARNING: {_NO_TIMEOUT_MESSAGE}", red=True, bold=True)
@@ -135,11 +142,14 @@ def _scale_the_per_test_timeout(config: pytest.Config) -> None:
 
 #: Worker processes when the command line says nothing: one per CPU.
 WORKERS = "auto"
+#: Whole files to a worker. (Not ``loadgroup`` with ``xdist_group`` marks: with pytest
+#: 9.2 and pytest-xdist 3.8 the marks are silently ignored, pytest-xdist issue 1386.)
+DIST = "loadfile"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the options
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Runs the suite in parallel (``-n auto --dist loadgroup``) unless the command line
+    """Runs the suite in parallel (``-n auto --dist loadfile``) unless the command line
     says otherwise (``-n``, ``--dist``, ``-p no:xdist``) or this is a worker already."""
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return
@@ -150,4 +160,14 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         and not getattr(option, "tx", None)
     ):
         option.numprocesses = WORKERS
-        option.dist = "loadgroup"
+        option.dist = DIST
+
+
+#: What workers handed back for the summary (``tests/docs/conftest.py``'s figures).
+_FROM_WORKERS: dict[str, Any] = {}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, absent without the plugin
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """In the controller: the figures a worker's tests left in its output."""
+    _FROM_WORKERS.update(getattr(node, "workeroutput", {}).get("safevars_doc_blocks", {}))

@@ -17,10 +17,6 @@ from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, pl
 from tests.support.benchmark_fakes import png_size
 from tests.support.deadlines import scaled
 
-# One pytest-xdist worker runs this module (--dist loadgroup):
-# its --quick run (a module fixture) runs once.
-pytestmark = pytest.mark.xdist_group("quick_suite")
-
 # A bound on a hang, not on the run's duration (which --help and the docs state: the
 # benchmark suite's own business): scaled by SAFEVARS_TEST_TIMEOUT_SCALE, and under the
 # per-test limit of pytest-timeout (600 s scaled), in which the first test pays for it.

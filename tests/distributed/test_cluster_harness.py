@@ -11,7 +11,7 @@ from tests.distributed import cluster_harness
 from tests.distributed.cluster_harness import run_on_ports, run_together, script
 from tests.support.deadlines import scaled
 
-CLUSTER_TIMEOUT = 120.0  # Seconds (the harness scales them); a bound on a hang.
+CLUSTER_TIMEOUT = 300.0  # Seconds (the harness scales them); a bound on a hang.
 SLEEPER = ["-c", "import time; time.sleep(120)"]
 
 

@@ -32,7 +32,7 @@ DOCUMENTS = ("README.md", "docs/**/*.md")
 #: A hang bound, not a timing assertion (CONTRIBUTING.md, "Thread tests"): blocks are
 #: written to take about 10 s on 2 cores, TensorFlow's import included. Scaled by
 #: ``SAFEVARS_TEST_TIMEOUT_SCALE``.
-TIMEOUT_S = scaled(120.0)
+TIMEOUT_S = scaled(240.0)
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _FRAGMENT = re.compile(r"^\s*<!-- fragment(?::\s*(?P<reason>.*?))?\s*-->\s*$")

@@ -17,10 +17,6 @@ import pytest
 from tests.docs import conftest
 from tests.docs.code_blocks import ROOT, Block, Outcome, all_blocks, blocks_of, run
 
-# One pytest-xdist worker runs this module (--dist loadgroup):
-# the session fixture `outcomes` runs every block once.
-pytestmark = pytest.mark.xdist_group("doc_code_blocks")
-
 BLOCKS = all_blocks()
 RUNNABLE = {b.id: b for b in BLOCKS if b.fragment is None}
 FRAGMENTS = [b for b in BLOCKS if b.fragment is not None]

@@ -17,7 +17,7 @@ from safevars.rng import ReplicaRNG, ReplicaStream
 from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
-SUBPROCESS_TIMEOUT = 120
+SUBPROCESS_TIMEOUT = 300
 # The directory that holds tests/ (a subprocess imports this module as tests.rng....).
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

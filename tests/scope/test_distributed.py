@@ -14,13 +14,9 @@ import pytest
 
 from tests.distributed.cluster_harness import run_on_ports, run_together, script
 
-# One pytest-xdist worker runs this module (--dist loadgroup):
-# its clusters (module fixtures) run once.
-pytestmark = pytest.mark.xdist_group("scope_clusters")
-
 WORKERS, STEPS = 2, 6
 PS_WORKERS, PS_STEPS = 3, 60
-CLUSTER_TIMEOUT = 120.0
+CLUSTER_TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")

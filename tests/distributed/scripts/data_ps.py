@@ -35,7 +35,7 @@ from script_common import scaled  # noqa: E402
 
 WORKERS = 3
 # Bound on every wait for the cluster (a failure, not a timing check), scaled.
-WAIT_SECONDS = scaled(60.0)
+WAIT_SECONDS = scaled(120.0)
 
 
 def start_worker_1(spec: dict) -> subprocess.Popen:
