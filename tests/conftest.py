@@ -147,6 +147,35 @@ WORKERS = "auto"
 DIST = "loadfile"
 
 
+#: The files that take longest, handed out first when the run is parallel: a file is one
+#: unit of work, and a long one started last would end the run alone. Order only (no test
+#: depends on it); from a run's ``--durations``, longest first.
+LONG_FILES = (
+    "tests/test_exactly_once.py",
+    "tests/benchmarks/test_quick_suite.py",
+    "tests/conformance/test_keras_models.py",
+    "tests/accumulator/test_distributed.py",
+    "tests/data/test_distributed.py",
+    "tests/docs/test_code_blocks.py",
+    "tests/optimizer/test_distributed.py",
+    "tests/locking/test_checkpoints.py",
+    "tests/accumulator/test_xla.py",
+    "tests/rng/test_distributed.py",
+    "tests/scope/test_distributed.py",
+    "tests/scope/test_scope.py",
+    "tests/accumulator/test_determinism.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, puts :data:`LONG_FILES` first (every worker collects the
+    same order, as pytest-xdist requires); a run in one process keeps the usual order."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {path: index for index, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the options
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Runs the suite in parallel (``-n auto --dist loadfile``) unless the command line
