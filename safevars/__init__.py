@@ -59,7 +59,7 @@ from safevars.snapshot import Snapshot, snapshot
 from safevars.transaction import locked, transaction
 from safevars.variable import SafeVariable, wrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulatorFullError",

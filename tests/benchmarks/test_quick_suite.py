@@ -15,8 +15,12 @@ import pytest
 
 from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, plots, report, schema
 from tests.support.benchmark_fakes import png_size
+from tests.support.deadlines import scaled
 
-SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
+# A bound on a hang, not on the run's duration (which --help and the docs state: the
+# benchmark suite's own business): scaled by SAFEVARS_TEST_TIMEOUT_SCALE, and under the
+# per-test limit of pytest-timeout (600 s scaled), in which the first test pays for it.
+SUITE_TIMEOUT = scaled(400)
 TINY = [
     "--quick",
     "--rounds",

@@ -14,9 +14,10 @@ import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError, SafeVarsError
 from safevars.rng import ReplicaRNG, ReplicaStream
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
-SUBPROCESS_TIMEOUT = 120
+SUBPROCESS_TIMEOUT = 300
 # The directory that holds tests/ (a subprocess imports this module as tests.rng....).
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -205,7 +206,7 @@ class TestReproducibility:
             [sys.executable, "-c", script, REPO],
             capture_output=True,
             text=True,
-            timeout=SUBPROCESS_TIMEOUT,
+            timeout=scaled(SUBPROCESS_TIMEOUT),
             env=env,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

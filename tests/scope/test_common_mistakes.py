@@ -29,6 +29,7 @@ import tensorflow as tf
 
 import safevars
 from safevars.creator_scope import scope
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 
@@ -110,7 +111,7 @@ def test_a_safe_variable_argument_works_after_one_was_created_while_tracing():
         [sys.executable, "-c", _ARGUMENT_AFTER_TRACED_CREATION],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert result.returncode == 0, result.stderr[-3000:]

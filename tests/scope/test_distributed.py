@@ -17,7 +17,7 @@ from tests.distributed.cluster_harness import run_on_ports, run_together, script
 
 WORKERS, STEPS = 2, 6
 PS_WORKERS, PS_STEPS = 3, 60
-CLUSTER_TIMEOUT = 120.0
+CLUSTER_TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")
