@@ -27,6 +27,7 @@ FAMILY = "distributed"
 DESCRIPTION = "ParameterServerStrategy: SafeVariable.update vs racy read-then-write"
 DEFAULT = False
 ORDER = 9
+SECONDS = {"full": 30, "quick": 10}  # measured on 2 cores: see docs/guide/benchmarks.md
 
 WORKERS = 3
 _cluster: dict[str, Any] = {}

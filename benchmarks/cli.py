@@ -24,18 +24,23 @@ with the examples, imports TensorFlow before anything else does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO
 
-from benchmarks import devices, discovery, metadata, plots, report, runner, schema
+from benchmarks import devices, discovery, metadata, plots, report, resume, runner, schema
 from benchmarks.timing import TimingSettings
 
 __all__ = ["check_goals", "main", "parser"]
+
+QUICK, FULL = TimingSettings.quick(), TimingSettings.full()
 
 EPILOG = """\
 examples:
@@ -102,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
+        default=None,
         help="small sizes and few rounds: the whole suite in under 45 s on a 2-core CPU",
     )
     p.add_argument(
@@ -114,9 +120,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("bench-results"),
+        default=None,
         metavar="DIR",
-        help="directory for results.json, results.md and the PNG plots (default: ./bench-results)",
+        help="directory for results.json, results.md and the PNG plots (default: "
+        "./bench-results; with --resume, the directory resumed). results.json and "
+        "results.md are rewritten after every case, marked incomplete until the run ends",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="finish the interrupted run whose results are in DIR: the same families and "
+        "settings (read from DIR/results.json), skipping the cases it has; refused if "
+        "DIR comes from another commit or device (see --force)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: continue a run started at another commit or on another device",
     )
     p.add_argument(
         "--cases",
@@ -134,12 +156,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="timed rounds per case (default: 7 quick, 25 full)",
+        help=f"timed rounds per case (default: {QUICK.rounds} quick, {FULL.rounds} full)",
     )
     p.add_argument(
         "--repeat",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="N",
         help="run the selected families N times, one pass after another "
         "(each builds its cases afresh), and pool every case's rounds: "
@@ -151,14 +173,15 @@ def parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         metavar="SECONDS",
-        help="target duration of one timed batch (default: 0.004 quick, 0.03 full)",
+        help="target duration of one timed batch (default: "
+        f"{QUICK.min_batch_time:g} quick, {FULL.min_batch_time:g} full)",
     )
     p.add_argument(
         "--warmup",
         type=_positive_float,
         default=None,
         metavar="SECONDS",
-        help="warm-up per variant (default: 0.01 quick, 0.2 full)",
+        help=f"warm-up per variant (default: {QUICK.warmup_time:g} quick, {FULL.warmup_time:g} full)",
     )
     p.add_argument(
         "--sizes",
@@ -266,6 +289,80 @@ def check_goals(goals: Sequence[dict[str, Any]], strict: bool) -> tuple[bool, li
     return bool(failed), lines
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+@contextlib.contextmanager
+def _signals(handler: Any, which: Sequence[signal.Signals]) -> Iterator[None]:
+    """``handler`` for ``which`` during the block (only in the main thread, where
+    Python runs signal handlers; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, handler) for sig in which}
+    try:
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
+
+
+#: Options that define a run: with --resume they come from DIR/results.json.
+_RUN_OPTIONS = (
+    "quick",
+    "cases",
+    "device",
+    "rounds",
+    "repeat",
+    "warmup",
+    "min_time",
+    "sizes",
+    "threads",
+)
+
+
+def _apply_resumed(
+    args: argparse.Namespace, document: dict[str, Any], known: Sequence[discovery.FamilyInfo]
+) -> list[str]:
+    """Sets the run's options from the ``document`` being resumed; returns the options
+    given on the command line that disagree with it."""
+    settings = document["settings"]
+    resumed = {
+        "quick": document["metadata"]["mode"] == "quick",
+        "cases": ",".join(settings["families_selected"]),
+        "device": document["metadata"]["device"]["kind"],
+        "rounds": settings["rounds"],
+        "repeat": settings.get("repeat", 1),
+        "warmup": settings["warmup_time_s"],
+        "min_time": settings["min_batch_time_s"],
+        "sizes": tuple(settings["sizes"]),
+        "threads": tuple(settings["threads"]),
+    }
+    conflicts = []
+    for key in _RUN_OPTIONS:
+        given, value = getattr(args, key), resumed[key]
+        if key == "cases" and given is not None:
+            try:
+                same = [f.name for f in discovery.select(known, given)] == list(
+                    settings["families_selected"]
+                )
+            except discovery.UnknownFamilyError:
+                same = False
+        else:
+            same = given is None or given == value
+        if not same:
+            option = "--" + key.replace("_", "-")
+            shown = "" if given is True else f" {given!r}"
+            conflicts.append(f"{option}{shown} (the run has {value!r})")
+        setattr(args, key, value)
+    return conflicts
+
+
 def main(
     argv: Sequence[str] | None = None,
     stdout: TextIO | None = None,
@@ -288,6 +385,8 @@ def main(
     if args.schema:
         print(json.dumps(schema.SCHEMA, indent=2), file=stdout)
         return 0
+    if args.force and args.resume is None:
+        p.error("--force only applies to --resume DIR")
     quiet = _quiet()
     verbose = args.verbose or quiet.verbose_requested([])
     if not args.list:  # --list imports no TensorFlow: keep it fast.
@@ -296,6 +395,28 @@ def main(
     if args.list:
         _list(known, stdout)
         return 0
+    previous: dict[str, Any] | None = None
+    if args.resume is not None:
+        try:
+            previous = resume.load(args.resume)
+        except resume.ResumeError as e:
+            print(f"error: {e}", file=stderr)
+            return 2
+        if previous.get("complete", True):
+            print(
+                f"{args.resume / 'results.json'} is a complete run: nothing to resume.",
+                file=stderr,
+            )
+            return 0
+        conflicts = _apply_resumed(args, previous, known)
+        if conflicts:
+            p.error(
+                f"--resume {args.resume} continues the run as it was started (its options "
+                f"come from {args.resume / 'results.json'}); these disagree with it: "
+                + "; ".join(conflicts)
+            )
+    args.quick = bool(args.quick)
+    args.repeat = args.repeat or 1
     try:
         selected = discovery.select(known, args.cases)
     except discovery.UnknownFamilyError as e:
@@ -310,39 +431,94 @@ def main(
     settings = _settings(args)
     command = " ".join(["python -m benchmarks", *argv])
     meta = metadata.collect(choice, args.quick, command=command)
+    resumed: list[dict[str, Any]] = []
+    if previous is not None:
+        differences = resume.mismatches(previous, meta)
+        if differences and not args.force:
+            print(
+                f"error: --resume {args.resume}: the run there was not started by this "
+                "checkout on this device, so its figures would not compare with the new "
+                "ones:\n  " + "\n  ".join(differences) + "\nRun it afresh (--out "
+                "another directory), or pass --force to finish it anyway.",
+                file=stderr,
+            )
+            return 2
+        for line in differences:
+            print(f"warning: --resume --force: {line}", file=stderr)
+        resumed = [
+            *previous.get("resumed", []),
+            {"date_utc": meta["date_utc"], "command": command},
+        ]
+        meta = previous["metadata"]
+    out: Path = args.out or args.resume or Path("bench-results")
+    done = sum(len(f["cases"]) for f in previous["families"]) if previous else 0
     print(
         f"safevars benchmarks ({meta['mode']}"
         f"{f', {args.repeat} passes' if args.repeat > 1 else ''}) on "
         f"{choice.kind.upper()} {choice.name} ({choice.device}): "
-        f"{', '.join(f.name for f in selected) or 'no families'}",
+        f"{', '.join(f.name for f in selected) or 'no families'}"
+        + (f"; resuming {args.resume} ({done} case(s) done)" if previous else ""),
         file=stderr,
         flush=True,
     )
-    results = runner.run_families(
-        selected,
-        ctx,
-        settings,
-        progress=stderr,
-        device_sync=devices.device_sync_for(choice),
-        repeat=args.repeat,
-    )
-    document = runner.build_document(meta, settings, ctx, results, repeat=args.repeat)
-    problems = schema.validate(document)
+    names = [f.name for f in selected]
+    progress: list[list[dict[str, Any]]] = [list(previous["families"]) if previous else []]
+
+    def document(results: list[dict[str, Any]], **state: Any) -> dict[str, Any]:
+        return runner.build_document(
+            meta, settings, ctx, results, args.repeat, names, resumed=resumed, **state
+        )
+
+    def checkpoint(results: list[dict[str, Any]]) -> None:
+        progress[0] = results
+        partial = document(results, complete=False)
+        report.write_json(partial, out / "results.json", compact=True)
+        report.write_markdown(partial, out / "results.md")
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with _signals(_raise_terminated, [signal.SIGTERM]):
+            results = runner.run_families(
+                selected,
+                ctx,
+                settings,
+                progress=stderr,
+                device_sync=devices.device_sync_for(choice),
+                repeat=args.repeat,
+                previous=previous["families"] if previous else (),
+                checkpoint=checkpoint,
+            )
+    except KeyboardInterrupt as e:
+        signame = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        with _signals(signal.SIG_IGN, [signal.SIGINT, signal.SIGTERM]):
+            partial = document(progress[0], complete=False, interrupted_by=signame)
+            report.write_json(partial, out / "results.json")
+            report.write_markdown(partial, out / "results.md")
+        cases = sum(len(f["cases"]) for f in progress[0])
+        print(
+            f"\ninterrupted ({signame}): {out / 'results.json'} and results.md hold the "
+            f"{cases} case(s) that finished, marked incomplete. Finish the run with: "
+            f"python -m benchmarks --resume {out}",
+            file=stderr,
+            flush=True,
+        )
+        return 128 + (signal.SIGTERM if signame == "SIGTERM" else signal.SIGINT)
+    document_ = document(results, complete=True)
+    problems = schema.validate(document_)
     if problems:  # A bug in the runner: say so, still write what we have.
         print(
-            "results.json does not match its schema:\n  " + "\n  ".join(problems[:20]), file=stderr
+            "results.json does not match its schema:\n  " + "\n  ".join(problems[:20]),
+            file=stderr,
         )
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(document, out / "results.json")
+    report.write_json(document_, out / "results.json")
     written: list[Path] = []
     if not args.no_plots:
         try:
-            written = plots.write_plots(document, out, stderr)
+            written = plots.write_plots(document_, out, stderr)
         except Exception as e:  # noqa: BLE001 - plots are a convenience; never fail the run
             print(f"could not draw the plots ({type(e).__name__}: {e}); skipped.", file=stderr)
-    report.write_markdown(document, out / "results.md", [p.name for p in written])
-    print(report.text_table(document), file=stdout, end="", flush=True)
+    report.write_markdown(document_, out / "results.md", [p.name for p in written])
+    print(report.text_table(document_), file=stdout, end="", flush=True)
     print(
         f"wrote {out / 'results.json'}, {out / 'results.md'}"
         + (f" and {len(written)} plot(s)" if written else ""),
@@ -353,6 +529,6 @@ def main(
         print(f"FAILED families: {', '.join(failed)} (see results.md)", file=stderr)
     missed = False
     if args.check or args.strict:
-        missed, lines = check_goals(document["goals"], strict=args.strict)
+        missed, lines = check_goals(document_["goals"], strict=args.strict)
         print("\n".join(lines), file=stderr)
     return 1 if failed or problems or missed else 0

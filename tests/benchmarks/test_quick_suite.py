@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_accumulator, bench_data, bench_graph, discovery, plots, report, schema
+from benchmarks import bench_accumulator, bench_graph, discovery, plots, report, schema
 from tests.support.benchmark_fakes import png_size
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
@@ -63,9 +63,8 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
         assert family["cases"], family["name"]
         for case in family["cases"]:
             assert case["status"] == "ok" and case["variants"][0]["baseline"]
-            factor = bench_data.ROUNDS_FACTOR if family["name"] == "data" else 1
             for variant in case["variants"]:
-                assert len(variant["samples_s"]) == 2 * factor  # --rounds 2
+                assert len(variant["samples_s"]) == 2  # --rounds 2
                 assert variant["min_s"] <= variant["median_s"] <= variant["max_s"]
     meta = document["metadata"]
     assert meta["mode"] == "quick" and meta["device"]["kind"] == "cpu"
@@ -97,7 +96,7 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
         for case in accumulator["cases"]
     }
     assert references == {
-        model.case_name: model.mutex_reference for model in bench_accumulator.MODELS
+        model.case_name: model.mutex_reference for model in bench_accumulator.QUICK_MODELS
     }
     assert sum(references.values()) == 1
 
