@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_accumulator, bench_graph, discovery, plots, report, schema
+from benchmarks import (
+    bench_accumulator,
+    bench_graph,
+    discovery,
+    plots,
+    report,
+    runner,
+    schema,
+)
 from tests.support.benchmark_fakes import png_size
 
 SUITE_TIMEOUT = 100  # seconds; the whole --quick suite must take < 45 s on 2 cores.
@@ -56,6 +64,7 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
     assert completed.returncode == 0, completed.stderr[-4000:]
     document = json.loads((out / "results.json").read_text())
     assert schema.validate(document) == []
+    assert document["complete"] is True and document["interrupted_by"] is None
     expected = [f.name for f in discovery.select(discovery.discover(), None)]
     assert [f["name"] for f in document["families"]] == expected
     for family in document["families"]:
@@ -63,6 +72,7 @@ def test_quick_suite_runs_every_family_and_writes_valid_results(quick_run):
         assert family["cases"], family["name"]
         for case in family["cases"]:
             assert case["status"] == "ok" and case["variants"][0]["baseline"]
+            assert set(case["phases_s"]) == set(runner.PHASES)
             for variant in case["variants"]:
                 assert len(variant["samples_s"]) == 2  # --rounds 2
                 assert variant["min_s"] <= variant["median_s"] <= variant["max_s"]
@@ -129,6 +139,7 @@ def test_quick_suite_writes_markdown_plots_and_reports_progress(quick_run):
     assert "| case | variant | median |" in markdown
     assert "x baseline [95% CI]" in completed.stdout and "assign_add/scalar" in completed.stdout
     assert "[1/" in completed.stderr and "eager" in completed.stderr
+    assert " elapsed, ~" in completed.stderr and " left]" in completed.stderr
 
 
 def test_quick_suite_output_fits_the_terminal_and_nothing_breaks_a_progress_line(quick_run):
