@@ -37,7 +37,7 @@ SECONDS = {"full": 15, "quick": 1.5}  # measured on 2 cores: see docs/guide/benc
 #: Increments per thread per call (quick, full). Full runs took 200 until issue 44: a call
 #: of 8 threads then took about 50 ms on 2 cores, one batch each round, and the family
 #: about a minute; the ratios do not depend on it (every call is the same work).
-ITERATIONS = {True: 25, False: 100}
+ITERATIONS = {True: 25, False: 50}
 #: Seconds any worker or the caller waits on a barrier before giving up (a hang guard).
 BARRIER_TIMEOUT = 120.0
 

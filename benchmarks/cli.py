@@ -2,7 +2,9 @@
 
 Exit status: 0 when every selected family ran, 1 when a family or case failed (the others
 still ran and were written), 2 for a usage error (unknown ``--cases`` name, ``--device gpu``
-without a GPU). Goals do not change it unless asked:
+without a GPU, a ``--resume DIR`` that cannot be continued), 130 after Ctrl-C and 143
+after SIGTERM (every case that finished is written, marked incomplete; ``--resume``
+finishes the run, see :mod:`benchmarks.resume`). Goals do not change it unless asked:
 
 * ``--check``: also 1 when a goal was **missed** (its whole 95% interval on the wrong side
   of the bound). An **inconclusive** goal (the interval straddles the bound, or too few
@@ -44,8 +46,9 @@ QUICK, FULL = TimingSettings.quick(), TimingSettings.full()
 
 EPILOG = """\
 examples:
-  python -m benchmarks                      # full suite on the default device (GPU if any)
+  python -m benchmarks                      # full suite: at most 8 minutes on a 2-core CPU
   python -m benchmarks --quick              # the whole suite in under 45 s on a 2-core CPU
+  python -m benchmarks --resume bench-results   # finish a run stopped by Ctrl-C or a kill
   python -m benchmarks --cases eager,contention --out /tmp/bench
   python -m benchmarks --device gpu         # fail unless TensorFlow sees a GPU
   python -m benchmarks --cases distributed  # optional families run only when named
@@ -57,8 +60,12 @@ Every ratio is printed with its 95% confidence interval (paired bootstrap of the
 of medians over the rounds); a goal is met when its whole interval satisfies the bound,
 missed when none of it does, inconclusive otherwise.
 
+results.json and results.md are rewritten after every case, marked incomplete
+("complete": false) until the run ends: Ctrl-C, SIGTERM or a kill leaves what finished.
+
 exit status: 0 everything ran (and, with --check, no goal was missed); 1 a family or
-case failed, or --check found a missed goal (--strict: a goal not met); 2 usage error.
+case failed, or --check found a missed goal (--strict: a goal not met); 2 usage error;
+130 interrupted by Ctrl-C, 143 by SIGTERM (what finished is written).
 The stdout table fits 120 columns; results.md has every column.
 """
 

@@ -32,19 +32,28 @@ an estimate of the time left (:mod:`benchmarks.progress`). What Python's logging
 the line is complete, then printed on lines of its own (:mod:`benchmarks.logs`).
 
 Each case's ``phases_s`` says where its wall time went: building it, the variants'
-first calls (tracing), the rest of the warm-up, the timed rounds, and releasing memory.
+first calls (tracing), the rest of the warm-up, the timed rounds, and releasing memory;
+its ``memory_mb``, the process's resident memory once the case was released and the
+peak so far (so a run shows which case raised the peak).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Windows
+    pass
 
 from benchmarks import logs, resume
 from benchmarks.case import Case, Context, LazyCase, goal_spec
@@ -70,6 +79,7 @@ __all__ = [
     "PHASES",
     "build_document",
     "case_result",
+    "memory_mb",
     "release_memory",
     "run_families",
     "verdict",
@@ -299,6 +309,7 @@ class _CaseRuns:
     )
     kept: dict[str, Any] | None = None
     recorded: dict[str, Any] | None = None  # the last result computed (the one reported)
+    memory: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def result(self, family: str) -> dict[str, Any]:
         """The case's result (computed once per new run: the bootstrap is not free)."""
@@ -311,6 +322,7 @@ class _CaseRuns:
                 self.recorded = case_result(
                     self.spec, family, timings, self.duration, self.error, self.phases
                 )
+                self.recorded["memory_mb"] = dict(self.memory)
         return self.recorded
 
     def add(self, spec: Case, timings: list[VariantTiming], duration: float, error: Any) -> None:
@@ -338,7 +350,9 @@ def _dropped() -> None:  # pragma: no cover - never called
 
 def release_memory() -> None:
     """Frees what a measured case left: Keras' global state (``clear_session``, which
-    also clears TensorFlow's eager kernel cache) and every unreachable object.
+    also clears TensorFlow's eager kernel cache), every unreachable object, and the C
+    heap's free pages (``malloc_trim``, with glibc: freed tensors otherwise stay in the
+    process's resident memory).
 
     Keras is only touched when something imported it.
     """
@@ -346,6 +360,39 @@ def release_memory() -> None:
     if keras is not None:
         keras.backend.clear_session(free_memory=False)
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Returns the C heap's free memory to the system (glibc's ``malloc_trim``; nothing
+    elsewhere)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else False
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
+def memory_mb() -> dict[str, float]:
+    """The process's resident memory now and at its peak so far, in MB (Linux; empty
+    elsewhere): recorded with each case (``memory_mb``), so a run shows which case
+    raised its peak."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            resident_pages = int(f.read().split()[1])
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (OSError, ValueError, IndexError, NameError):
+        return {}
+    return {
+        "rss": round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, 1),
+        "peak": round(peak_kb * 1024 / 1e6, 1),
+    }
 
 
 def _run_case(
@@ -524,7 +571,7 @@ def run_families(
             family = state[info.name]
             family.started = True
             record = family.record
-            started = time.perf_counter()
+            started, earlier = time.perf_counter(), record["duration_s"]
             prefix = f"[{number}/{len(families)} {info.name}]"
             if repeat > 1:
                 prefix = f"[repetition {repetition}/{repeat}]{prefix}"
@@ -592,16 +639,18 @@ def run_families(
                 del case
                 release()
                 entry.phases["release"] += time.perf_counter() - released
+                entry.memory = memory_mb()
                 entry.kept = None
                 entry.add(spec, timings, duration + time.perf_counter() - released, error)
                 result = entry.result(info.name)
                 print(f" {duration:.1f} s: {_one_line(result)}", file=progress, flush=True)
                 held.replay()
                 estimate.case_done(measured=True)
+                record["duration_s"] = earlier + time.perf_counter() - started
                 save()
             del cases
             release()
-            record["duration_s"] += time.perf_counter() - started
+            record["duration_s"] = earlier + time.perf_counter() - started
             estimate.end_family(number - 1)
             save()
     return [state[info.name].result() for info in families]

@@ -31,7 +31,7 @@ now true/false only for a met/missed verdict (null when inconclusive). Later add
 are optional, so documents written before them stay valid: ``ratio_per_repetition`` of a
 goal, ``plot_against`` of a family; ``complete``, ``interrupted_by`` and ``resumed`` of
 the document (a document without ``complete`` is a complete run: earlier versions wrote
-only at the end) and ``phases_s`` of a case.
+only at the end), ``phases_s`` and ``memory_mb`` of a case.
 """
 
 from __future__ import annotations
@@ -225,8 +225,15 @@ _CASE = _obj(
             "calibration), 'rounds' (the timed rounds), 'release' (freeing memory after "
             "it). Empty for a case recorded before this field existed.",
         },
+        "memory_mb": {
+            "type": "object",
+            "additionalProperties": _num("Megabytes (10^6 bytes)."),
+            "description": "The process's memory once the case was measured and released: "
+            "'rss' (resident now) and 'peak' (the highest resident memory of the process "
+            "so far). Empty where the platform does not tell (Linux does).",
+        },
     },
-    optional=("phases_s",),  # added after version 2 was released
+    optional=("phases_s", "memory_mb"),  # added after version 2 was released
 )
 
 _FAMILY = _obj(
