@@ -9,9 +9,10 @@ Each family lives in ``benchmarks/bench_<family>.py`` and defines::
     ORDER = 3                              # optional: position in runs and reports
     PLOT_AGAINST = "variables"             # optional: a plot of ratios against a parameter
     SECONDS = {"full": 40, "quick": 3}     # optional: about how long it runs (progress)
+    ISOLATED = True                        # optional: a full run measures it in a process of its own
 
-Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``, ``PLOT_AGAINST`` and ``SECONDS``
-as literals: the runner reads them without importing the module, so a family that fails
+Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``, ``PLOT_AGAINST``, ``SECONDS``
+and ``ISOLATED`` as literals: the runner reads them without importing the module, so a family that fails
 to import is still listed and reported by name, and an optional family is not imported
 unless selected (a module whose ``FAMILY`` is not a literal is imported to read it). ``DEFAULT`` may be left
 out (True); so may ``ORDER`` (families without it come after the others, by file name;
@@ -22,7 +23,13 @@ variables): besides ``overhead_<family>.png``, the run then draws
 one panel per set of cases sharing every other parameter (see :mod:`benchmarks.plots`).
 ``SECONDS`` is the family's measured wall time on a 2-core CPU, full and ``--quick``:
 the progress line's estimate of the time left is built on it (scaled by how fast the
-run goes); a family without it counts as the average of the others.
+run goes); a family without it counts as the average of the others. ``ISOLATED = True``:
+a full run that selects other families too measures this one first, in a process of its
+own, before the main process imports TensorFlow (see :mod:`benchmarks.cli`). TensorFlow
+keeps some memory for every function a process ever traced (about 10 MB for a 50-layer
+training step, 40 MB for its XLA compilation, after the function and its model are
+gone), so a family that traces many large models would otherwise leave its memory to
+every family after it.
 
 A :class:`Case` holds *variants*: zero-argument callables doing one unit of work. The
 first variant is the baseline (plain ``tf.Variable`` or the stock TensorFlow/Keras way);

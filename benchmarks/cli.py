@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib.util
 import json
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -217,6 +219,8 @@ def parser() -> argparse.ArgumentParser:
         help="--check, and an inconclusive or unmeasured goal fails it too",
     )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    # A run's isolated family, in the process the run starts for it (ISOLATED families).
+    p.add_argument("--_only", dest="only", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -370,6 +374,131 @@ def _apply_resumed(
     return conflicts
 
 
+def _child_command() -> list[str]:
+    """How to start this suite again: ``python -m benchmarks``, or the script that ran it
+    (a test's driver)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "benchmarks.__main__":
+        return [sys.executable, "-m", "benchmarks"]
+    return [sys.executable, sys.argv[0]]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """A child stops when this process is killed (Linux ``PR_SET_PDEATHSIG``), so a
+    killed run leaves no benchmark running on its own."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _isolated_arguments(args: argparse.Namespace, names: Sequence[str], out: Path) -> list[str]:
+    """The options of the child that measures one isolated family: this run's."""
+    options = ["--cases", ",".join(names), "--out", str(out), "--no-plots"]
+    if args.quick:
+        options.append("--quick")
+    for flag, value in (
+        ("--rounds", args.rounds),
+        ("--warmup", args.warmup),
+        ("--min-time", args.min_time),
+        ("--repeat", args.repeat if args.repeat != 1 else None),
+        ("--device", args.device),
+    ):
+        if value is not None:
+            options += [flag, str(value)]
+    for flag, values in (("--sizes", args.sizes), ("--threads", args.threads)):
+        if values:
+            options += [flag, ",".join(str(v) for v in values)]
+    if args.verbose:
+        options.append("--verbose")
+    return options
+
+
+def _run_isolated(
+    info: discovery.FamilyInfo,
+    options: list[str],
+    resume_from: Path | None,
+    force: bool,
+    out: Path,
+    command: Sequence[str],
+    stderr: TextIO,
+) -> int | None:
+    """Measures the family ``info`` in a process of its own (see the module docstring);
+    it writes ``out/results.json`` as this run's: its family beside the others of
+    ``resume_from/results.json`` (the run so far), if given.
+
+    Returns None once it ended, or the exit status of this run when it was interrupted.
+    """
+    argv = [*command, *options, "--_only", info.name]
+    if resume_from is not None:
+        argv += ["--resume", str(resume_from)] + (["--force"] if force else [])
+    inherit = stderr is sys.stderr  # else (a test's stream) its output is copied after
+    process = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=None if inherit else subprocess.PIPE,
+        text=True,
+        preexec_fn=_die_with_parent,
+    )
+    try:
+        with _signals(_raise_terminated, [signal.SIGTERM]):
+            _, errors = process.communicate()
+            status = process.returncode
+            if not inherit:
+                stderr.write(errors)
+    except KeyboardInterrupt as e:
+        # Ctrl-C reached the child too; SIGTERM is handed on. Either way it writes what
+        # finished, marked interrupted, and ends: that file is the run's.
+        terminated = isinstance(e, _Terminated)
+        if terminated:
+            process.send_signal(signal.SIGTERM)
+        with _signals(signal.SIG_IGN, [signal.SIGINT, signal.SIGTERM]):
+            process.wait()
+        signame = "SIGTERM" if terminated else "SIGINT"
+        print(
+            f"\ninterrupted ({signame}) while {info.name} ran in a process of its own: "
+            f"{out / 'results.json'} holds what finished, marked incomplete. Finish the "
+            f"run with: python -m benchmarks --resume {out}",
+            file=stderr,
+            flush=True,
+        )
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    if status not in (0, 1):
+        print(
+            f"{info.name}: its process ended with status {status}; the run goes on.",
+            file=stderr,
+            flush=True,
+        )
+    return None
+
+
+def _carried(
+    document: dict[str, Any] | None, names: set[str], only: str | None, error: str
+) -> list[dict[str, Any]]:
+    """The records of the families ``names`` in ``document`` (a failed record, saying
+    ``error``, for one that is not there)."""
+    found = {f["name"]: f for f in (document or {}).get("families", [])}
+    records = []
+    for name in sorted(names):
+        record = found.get(name)
+        if record is None and name != only:
+            record = {
+                "name": name,
+                "description": "",
+                "module": f"benchmarks.bench_{name}",
+                "default": True,
+                "status": "failed",
+                "error": error,
+                "traceback": None,
+                "duration_s": 0.0,
+                "cases": [],
+            }
+        if record is not None:
+            records.append(record)
+    return records
+
+
 def main(
     argv: Sequence[str] | None = None,
     stdout: TextIO | None = None,
@@ -377,10 +506,12 @@ def main(
     gpus: Sequence[Any] | None = None,
     families: Sequence[discovery.FamilyInfo] | None = None,
     select_device: Callable[..., devices.DeviceChoice] = devices.select_device,
+    child_command: Sequence[str] | None = None,
 ) -> int:
     """Runs the suite; returns the exit status (see the module docstring).
 
-    ``gpus``, ``families`` and ``select_device`` are for tests (fake GPUs, fake families).
+    ``gpus``, ``families``, ``select_device`` and ``child_command`` (how to start the
+    suite in a child process) are for tests (fake GPUs, fake families).
     """
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
@@ -394,12 +525,8 @@ def main(
         return 0
     if args.force and args.resume is None:
         p.error("--force only applies to --resume DIR")
-    quiet = _quiet()
-    verbose = args.verbose or quiet.verbose_requested([])
-    if not args.list:  # --list imports no TensorFlow: keep it fast.
-        quiet.quiet_tensorflow_startup(verbose)
     known = list(families) if families is not None else discovery.discover()
-    if args.list:
+    if args.list:  # --list imports no TensorFlow: keep it fast.
         _list(known, stdout)
         return 0
     previous: dict[str, Any] | None = None
@@ -428,6 +555,45 @@ def main(
         selected = discovery.select(known, args.cases)
     except discovery.UnknownFamilyError as e:
         p.error(str(e))
+    names = [f.name for f in selected]
+    if args.only is not None and args.only not in names:
+        p.error(f"--_only {args.only!r} is not among the families selected")
+    out: Path = args.out or args.resume or Path("bench-results")
+    command = " ".join(["python -m benchmarks", *argv])
+    # A full run measures its isolated families first, each in a process of its own,
+    # before this one imports TensorFlow; then it goes on from what they wrote.
+    isolated = (
+        [f for f in selected if f.isolated]
+        if args.only is None and not args.quick and len(selected) > 1
+        else []
+    )
+    if _main_started(previous, {f.name for f in isolated}):
+        isolated = []  # they ended before this process's families started
+    isolated_names = {f.name for f in selected if f.isolated} if isolated else set()
+    continued_by_us = False
+    if isolated:
+        out.mkdir(parents=True, exist_ok=True)
+        options = _isolated_arguments(args, names, out)
+        for info in isolated:
+            interrupted = _run_isolated(
+                info,
+                options,
+                out if continued_by_us else args.resume,
+                args.force,
+                out,
+                child_command or _child_command(),
+                stderr,
+            )
+            if interrupted is not None:
+                return interrupted
+            continued_by_us = True
+        try:
+            previous = resume.load(out)
+        except resume.ResumeError:
+            previous = None  # nothing written: the isolated families are reported failed
+    quiet = _quiet()
+    verbose = args.verbose or quiet.verbose_requested([])
+    quiet.quiet_tensorflow_startup(verbose)
     try:
         choice = select_device(args.device, gpus=gpus)
     except devices.DeviceUnavailableError as e:
@@ -436,14 +602,13 @@ def main(
         return 2
     ctx = devices.make_context(choice, args.quick, sizes=args.sizes, threads=args.threads)
     settings = _settings(args)
-    command = " ".join(["python -m benchmarks", *argv])
     meta = metadata.collect(choice, args.quick, command=command)
     resumed: list[dict[str, Any]] = []
     if previous is not None:
         differences = resume.mismatches(previous, meta)
         if differences and not args.force:
             print(
-                f"error: --resume {args.resume}: the run there was not started by this "
+                f"error: --resume {out}: the run there was not started by this "
                 "checkout on this device, so its figures would not compare with the new "
                 "ones:\n  " + "\n  ".join(differences) + "\nRun it afresh (--out "
                 "another directory), or pass --force to finish it anyway.",
@@ -452,28 +617,47 @@ def main(
             return 2
         for line in differences:
             print(f"warning: --resume --force: {line}", file=stderr)
-        resumed = [
-            *previous.get("resumed", []),
-            {"date_utc": meta["date_utc"], "command": command},
-        ]
-        meta = previous["metadata"]
-    out: Path = args.out or args.resume or Path("bench-results")
+        resumed = list(previous.get("resumed", []))
+        if args.resume is not None and args.only is None:
+            resumed.append({"date_utc": meta["date_utc"], "command": command})
+        started_here = meta
+        meta = dict(previous["metadata"])
+        if args.resume is None:  # this run's own isolated families wrote it
+            meta["command"], meta["date_utc"] = command, started_here["date_utc"]
+    # What other processes measured (the isolated families), reported as they wrote it.
+    carried = _carried(
+        previous, isolated_names, args.only, "its process of its own wrote no results"
+    )
+    running = [
+        f
+        for f in selected
+        if f.name not in isolated_names and (args.only is None or f.name == args.only)
+    ]
+    if args.only is not None:  # the other families' results stay as they were
+        carried = [f for f in (previous or {}).get("families", []) if f["name"] != args.only]
     done = sum(len(f["cases"]) for f in previous["families"]) if previous else 0
     print(
         f"safevars benchmarks ({meta['mode']}"
         f"{f', {args.repeat} passes' if args.repeat > 1 else ''}) on "
         f"{choice.kind.upper()} {choice.name} ({choice.device}): "
-        f"{', '.join(f.name for f in selected) or 'no families'}"
-        + (f"; resuming {args.resume} ({done} case(s) done)" if previous else ""),
+        f"{', '.join(f.name for f in running) or 'no families'}"
+        + (f"; resuming {args.resume} ({done} case(s) done)" if args.resume else "")
+        + (f"; {', '.join(sorted(isolated_names))} measured already" if isolated_names else ""),
         file=stderr,
         flush=True,
     )
-    names = [f.name for f in selected]
-    progress: list[list[dict[str, Any]]] = [list(previous["families"]) if previous else []]
+    progress: list[list[dict[str, Any]]] = [
+        [f for f in previous["families"] if f["name"] not in isolated_names] if previous else []
+    ]
+
+    def merged(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        by_name = {f["name"]: f for f in carried}
+        by_name.update({f["name"]: f for f in results})
+        return [by_name[name] for name in names if name in by_name]
 
     def document(results: list[dict[str, Any]], **state: Any) -> dict[str, Any]:
         return runner.build_document(
-            meta, settings, ctx, results, args.repeat, names, resumed=resumed, **state
+            meta, settings, ctx, merged(results), args.repeat, names, resumed=resumed, **state
         )
 
     def checkpoint(results: list[dict[str, Any]]) -> None:
@@ -486,14 +670,17 @@ def main(
     try:
         with _signals(_raise_terminated, [signal.SIGTERM]):
             results = runner.run_families(
-                selected,
+                running,
                 ctx,
                 settings,
                 progress=stderr,
                 device_sync=devices.device_sync_for(choice),
                 repeat=args.repeat,
-                previous=previous["families"] if previous else (),
+                previous=[f for f in previous["families"] if f["name"] not in isolated_names]
+                if previous
+                else (),
                 checkpoint=checkpoint,
+                numbering={f.name: (names.index(f.name) + 1, len(names)) for f in running},
             )
     except KeyboardInterrupt as e:
         signame = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
@@ -501,7 +688,7 @@ def main(
             partial = document(progress[0], complete=False, interrupted_by=signame)
             report.write_json(partial, out / "results.json")
             report.write_markdown(partial, out / "results.md")
-        cases = sum(len(f["cases"]) for f in progress[0])
+        cases = sum(len(f["cases"]) for f in merged(progress[0]))
         print(
             f"\ninterrupted ({signame}): {out / 'results.json'} and results.md hold the "
             f"{cases} case(s) that finished, marked incomplete. Finish the run with: "
@@ -510,6 +697,11 @@ def main(
             flush=True,
         )
         return 128 + (signal.SIGTERM if signame == "SIGTERM" else signal.SIGINT)
+    if args.only is not None:  # a part of a run: the run's process writes the rest
+        partial = document(results, complete=False)
+        report.write_json(partial, out / "results.json")
+        report.write_markdown(partial, out / "results.md")
+        return 1 if any(f["status"] != "ok" for f in results) else 0
     document_ = document(results, complete=True)
     problems = schema.validate(document_)
     if problems:  # A bug in the runner: say so, still write what we have.
@@ -531,7 +723,7 @@ def main(
         + (f" and {len(written)} plot(s)" if written else ""),
         file=stderr,
     )
-    failed = [f["name"] for f in results if f["status"] != "ok"]
+    failed = [f["name"] for f in document_["families"] if f["status"] != "ok"]
     if failed:
         print(f"FAILED families: {', '.join(failed)} (see results.md)", file=stderr)
     missed = False
@@ -539,3 +731,11 @@ def main(
         missed, lines = check_goals(document_["goals"], strict=args.strict)
         print("\n".join(lines), file=stderr)
     return 1 if failed or problems or missed else 0
+
+
+def _main_started(document: dict[str, Any] | None, isolated: set[str]) -> bool:
+    """Whether the run being resumed got past its isolated families: it measures them
+    first, so a family of its own process (any other) means they ended."""
+    if document is None or not isolated:
+        return False
+    return any(f["name"] not in isolated for f in document["families"])

@@ -1,7 +1,7 @@
 """Finding the case families: every ``bench_<family>.py`` module of a package.
 
 A family is described *statically*: ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``,
-``PLOT_AGAINST`` and ``SECONDS`` are read from the module's source with :mod:`ast`,
+``PLOT_AGAINST``, ``SECONDS`` and ``ISOLATED`` are read from the module's source with :mod:`ast`,
 without importing it. So ``--cases`` knows every
 family's name even when one of them fails to import (that family is then reported as
 failed, with the error), and an optional family (``DEFAULT = False``, like the
@@ -50,6 +50,8 @@ class FamilyInfo:
       order: ``ORDER``: position in runs and reports (``None`` sorts last, by file).
       plot_against: ``PLOT_AGAINST``: the numeric case parameter the family's ratios are
         plotted against (``<family>_vs_<param>.png``), or ``None``.
+      isolated: ``ISOLATED``: a full run measures the family in a process of its own
+        (see :mod:`benchmarks.cli`).
       seconds: ``SECONDS``: about how long the family runs, by mode (``"full"``,
         ``"quick"``), as ``(mode, seconds)`` pairs, for the progress line's estimate;
         empty when not given.
@@ -66,6 +68,7 @@ class FamilyInfo:
     plot_against: str | None = None
     problem: str | None = None
     seconds: tuple[tuple[str, float], ...] = ()
+    isolated: bool = False
 
     def expected_seconds(self, mode: str) -> float | None:
         """``SECONDS[mode]`` (``"full"`` or ``"quick"``), or None when not given."""
@@ -127,6 +130,7 @@ def _describe(path: Path, package: str) -> FamilyInfo:
         order=order if isinstance(order, int) and not isinstance(order, bool) else None,
         plot_against=plot_against if isinstance(plot_against, str) and plot_against else None,
         seconds=_seconds(seconds),
+        isolated=values.get("ISOLATED") is True,
     )
 
 

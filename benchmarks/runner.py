@@ -47,7 +47,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 try:
@@ -528,6 +528,7 @@ def run_families(
     previous: Sequence[dict[str, Any]] = (),
     checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
     release: Callable[[], None] = release_memory,
+    numbering: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs every family in order, ``repeat`` times, and returns their ``family`` objects.
 
@@ -547,6 +548,8 @@ def run_families(
         so far (the families started, each with the cases finished), to write them.
       release: Called after every case (and family) to free what it left
         (:func:`release_memory`).
+      numbering: Each family's ``(number, of)`` in the progress lines, when they are a
+        part of a larger run (default: their place in ``families``).
 
     Raises:
       ValueError: ``repeat`` < 1.
@@ -572,7 +575,8 @@ def run_families(
             family.started = True
             record = family.record
             started, earlier = time.perf_counter(), record["duration_s"]
-            prefix = f"[{number}/{len(families)} {info.name}]"
+            shown, of = (numbering or {}).get(info.name, (number, len(families)))
+            prefix = f"[{shown}/{of} {info.name}]"
             if repeat > 1:
                 prefix = f"[repetition {repetition}/{repeat}]{prefix}"
             print(

@@ -228,3 +228,107 @@ def test_resume_refuses_another_commit_unless_forced(bench):
     assert forced.wait(WAIT) == 0, forced.log_path.read_text()[-3000:]
     assert finished(out) == EVERY_CASE
     assert "warning: --resume --force: commit" in forced.log_path.read_text()
+
+
+ISOLATED_FAMILY = {
+    "bench_iso.py": """
+        import os, time
+        from benchmarks.case import Case
+        FAMILY = "iso"
+        ORDER = 2
+        ISOLATED = True
+        def variant():
+            return {"pid": os.getpid()}
+        def gate():
+            while not os.path.exists(os.environ["GATE_FILE"]):
+                time.sleep(0.01)
+            return {"pid": os.getpid()}
+        def cases(ctx):
+            return [Case("iso", "one", {"plain": variant, "safe": variant}),
+                    Case("iso", "gated", {"plain": variant, "safe": gate})]
+    """,
+}
+FULL = ["--rounds", "3", "--warmup", "0", "--min-time", "0.001", "--no-plots"]
+
+
+@pytest.fixture
+def isolated_bench(bench):
+    start, out, gate = bench
+    package = out.parent / "packages" / "interruptbench_pkg"
+    for name, source in ISOLATED_FAMILY.items():
+        (package / name).write_text(textwrap.dedent(source))
+    return start, out, gate
+
+
+def wait_for_case(process: subprocess.Popen, out: Path, case: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while case not in finished(out):
+        assert process.poll() is None, process.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the run never wrote {case}"
+        time.sleep(0.05)
+
+
+def test_an_isolated_family_runs_first_in_a_process_of_its_own(isolated_bench):
+    start, out, gate = isolated_bench
+    gate.touch()
+    run = start(*FULL, "--out", str(out))
+    assert run.wait(WAIT) == 0, run.log_path.read_text()[-3000:]
+    done = load(out)
+    assert done["complete"] is True and done["resumed"] == []
+    # In the order of the selection, whatever the order they ran in.
+    assert finished(out) == [*BEFORE_GATE[:3], "iso/one", "iso/gated", *EVERY_CASE[3:]]
+    measured_by = pids(done)
+    (isolated,) = {measured_by["iso/one"].pop()}
+    assert isolated != run.pid and measured_by["iso/gated"] == {isolated}
+    assert all(measured_by[case] == {run.pid} for case in EVERY_CASE)
+    assert done["metadata"]["command"] == "python -m benchmarks " + " ".join(
+        [*FULL, "--out", str(out)]
+    )
+    log = run.log_path.read_text()
+    assert log.index("[2/3 iso") < log.index("[1/3 first")  # measured first
+    # --quick runs every family in one process (small models: nothing to isolate).
+    quick = start(*OPTIONS, "--out", str(out))
+    assert quick.wait(WAIT) == 0
+    assert pids(load(out))["iso/one"] == {quick.pid}
+
+
+def test_a_run_killed_in_its_isolated_family_is_resumed_there(isolated_bench):
+    start, out, gate = isolated_bench
+    run = start(*FULL, "--out", str(out))
+    wait_for_case(run, out, "iso/one")
+    run.kill()  # the isolated family's process goes with it (PR_SET_PDEATHSIG)
+    assert run.wait(WAIT) == -signal.SIGKILL
+    left = load(out)
+    assert left["complete"] is False and finished(out) == ["iso/one"]
+    (isolated,) = pids(left)["iso/one"]
+    deadline = time.monotonic() + WAIT
+    while _alive(isolated):
+        assert time.monotonic() < deadline, "the isolated family's process outlived its run"
+        time.sleep(0.05)
+    gate.touch()
+    resumed = start("--resume", str(out), "--no-plots")
+    assert resumed.wait(WAIT) == 0, resumed.log_path.read_text()[-3000:]
+    done = load(out)
+    assert done["complete"] is True and len(done["resumed"]) == 1
+    assert finished(out)[3:5] == ["iso/one", "iso/gated"]
+    assert pids(done)["iso/one"] == {isolated}  # kept, not measured again
+
+
+def test_sigterm_reaches_the_isolated_family_and_what_finished_is_written(isolated_bench):
+    start, out, _ = isolated_bench
+    run = start(*FULL, "--out", str(out))
+    wait_for_case(run, out, "iso/one")
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(WAIT) == 143
+    left = load(out)
+    assert left["complete"] is False and left["interrupted_by"] == "SIGTERM"
+    assert finished(out) == ["iso/one"]
+    assert f"python -m benchmarks --resume {out}" in run.log_path.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
