@@ -120,7 +120,7 @@ from safevars.accumulator import GradientAccumulator
 FAMILY = "accumulator"
 DESCRIPTION = "gradient accumulation micro-steps: GradientAccumulator vs Keras accumulation"
 ORDER = 6
-SECONDS = {"full": 25, "quick": 8}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 15, "quick": 6}  # on a quiet 2-core CPU, estimated: see the guide
 
 CLASSES = 10
 BATCH = 32

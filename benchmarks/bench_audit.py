@@ -32,7 +32,7 @@ from safevars.audit import audit
 FAMILY = "audit"
 DESCRIPTION = "eager reads/writes of a plain tf.Variable: audit active vs inactive"
 ORDER = 8
-SECONDS = {"full": 20, "quick": 3}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 12, "quick": 2}  # on a quiet 2-core CPU, estimated: see the guide
 
 OPS = ("read", "assign", "read_modify_write")
 OPS_PER_CALL = 100

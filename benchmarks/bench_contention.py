@@ -32,7 +32,7 @@ DESCRIPTION = (
     "SafeVariable.update vs safevars.locked vs threading.Lock"
 )
 ORDER = 4
-SECONDS = {"full": 15, "quick": 1.5}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 12, "quick": 2}  # on a quiet 2-core CPU, estimated: see the guide
 
 #: Increments per thread per call (quick, full). Full runs took 200 until issue 44: a call
 #: of 8 threads then took about 50 ms on 2 cores, one batch each round, and the family

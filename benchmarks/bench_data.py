@@ -51,7 +51,7 @@ from safevars.data import ShardedInput
 FAMILY = "data"
 DESCRIPTION = "ShardedInput (disjoint, reshuffled, resumable shards) vs dataset.shard().shuffle()"
 ORDER = 16
-SECONDS = {"full": 25, "quick": 1.5}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 25, "quick": 2}  # on a quiet 2-core CPU, estimated: see the guide
 
 GOAL = 1.05
 ROUNDS_FACTOR = 4

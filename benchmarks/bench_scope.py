@@ -65,7 +65,7 @@ ORDER = 10
 # Measured first, in a process of its own (a full run): tracing its 33 models leaves
 # about 850 MB that TensorFlow keeps after them (issue 44).
 ISOLATED = True
-SECONDS = {"full": 170, "quick": 8}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 200, "quick": 8}  # on a quiet 2-core CPU, estimated: see the guide
 PLOT_AGAINST = "variables"
 
 FEATURES = 16

@@ -73,7 +73,7 @@ DESCRIPTION = (
     "MirroredStrategy) and a model.fit epoch: SafeOptimizer(Adam) vs Adam"
 )
 ORDER = 3
-SECONDS = {"full": 30, "quick": 10}  # measured on 2 cores: see docs/guide/benchmarks.md
+SECONDS = {"full": 35, "quick": 12}  # on a quiet 2-core CPU, estimated: see the guide
 
 WIDTH = 512
 LAYERS = 3

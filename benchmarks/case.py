@@ -21,9 +21,10 @@ of the cases' ``params`` (for instance ``"variables"`` for cases built at 20, 20
 variables): besides ``overhead_<family>.png``, the run then draws
 ``<family>_vs_<param>.png``, each variant's ratio to the baseline against that parameter,
 one panel per set of cases sharing every other parameter (see :mod:`benchmarks.plots`).
-``SECONDS`` is the family's measured wall time on a 2-core CPU, full and ``--quick``:
+``SECONDS`` is about how long the family runs on a quiet 2-core CPU, full and ``--quick``:
 the progress line's estimate of the time left is built on it (scaled by how fast the
-run goes); a family without it counts as the average of the others. ``ISOLATED = True``:
+run goes, so only the families' proportions matter); a family without it counts as the
+average of the others. ``ISOLATED = True``:
 a full run that selects other families too measures this one first, in a process of its
 own, before the main process imports TensorFlow (see :mod:`benchmarks.cli`). TensorFlow
 keeps some memory for every function a process ever traced (about 10 MB for a 50-layer
