@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars.locking import _current_thread, guards_of, hold, sorted_locks
+from safevars.locking import Guard, _current_thread, guards_of, hold, sorted_locks
 from safevars.sections import graph_section
 
 __all__ = ["Snapshot", "scope_weights", "take_snapshots"]
@@ -132,12 +132,12 @@ def scope_weights(structure: Any) -> list[Any] | None:
     keras = sys.modules.get("keras")
     if keras is None or not isinstance(structure, keras.layers.Layer):
         return None
-    from safevars.variable.safe_variable import SafeVariable  # (it imports this module)
-
     found = []
     for weight in structure.weights:
         backing = getattr(weight, "_value", None)
-        if type(backing) is not SafeVariable:
+        # A SafeVariable is the one object with a guard (this module cannot import its
+        # class: safe_variable imports this module).
+        if not isinstance(getattr(backing, "_self_guard", None), Guard):
             return None
         found.append(backing)
     return found or None

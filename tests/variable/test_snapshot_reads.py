@@ -84,3 +84,19 @@ def test_under_a_gradient_tape_each_value_is_read_so_the_tape_differentiates_it(
         loss = snap.value * 2.0
     assert read_ops == {"together": [], "single": [1]}
     assert float(tape.gradient(loss, v)) == 2.0
+
+
+def test_a_scope_model_is_snapshotted_without_walking_a_nest(monkeypatch):
+    from safevars.variable import snapshots, wrapping
+
+    model = _trained_scope_model()
+    assert snapshots.scope_weights(model) == [w._value for w in model.weights]
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert snapshots.scope_weights(plain) is None  # plain weights: wrapped on the fly
+    assert snapshots.scope_weights([SafeVariable(1.0)]) is None  # not a layer
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("snapshot(model) of a scope model walked a nest")
+
+    monkeypatch.setattr(wrapping.tf.nest, "map_structure", no_walk)
+    assert len(safevars.snapshot(model)) == 4
