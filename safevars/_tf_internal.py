@@ -40,6 +40,8 @@ from tensorflow.python.distribute import values as ds_values
 from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import core as _core
+from tensorflow.python.eager import execute as _execute
+from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops, tensor_conversion_registry
@@ -357,6 +359,25 @@ def read_value_op(variable):
         return variable.read_value()
     variable_accessed(variable)
     return gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
+
+
+def read_variables(handles, dtypes):
+    """The values of several resource variables of one device, read eagerly by one
+    ``_ReadVariablesOp`` (the op TensorFlow's graph optimizer fuses reads into): what one
+    ``ReadVariableOp`` each returns, for the cost of one op. Records nothing on gradient
+    tapes (it has no gradient): for reads no tape is watching."""
+    return _execute.execute(
+        b"_ReadVariablesOp",
+        num_outputs=len(handles),
+        inputs=list(handles),
+        attrs=("N", len(handles), "dtypes", [tf.as_dtype(d).as_datatype_enum for d in dtypes]),
+        ctx=eager_context(),
+    )
+
+
+def recording_gradients() -> bool:
+    """Whether a gradient tape is active (so a read must be one it can differentiate)."""
+    return _record.could_possibly_record()
 
 
 def read_eagerly(variable, handle, dtype):
