@@ -20,8 +20,10 @@ Grappler rewrites, so MobileNetV2 and EfficientNet trained to other bits
 DenseNet121 (``weights=None``, 32x32) and keras-hub's BERT, GPT-2 and ViT from tiny
 configurations (minutes).
 
-The keras-hub part needs keras-hub (not a test dependency): it is skipped, saying so,
-when it is not installed. Its default run takes one model (BERT).
+By default ``jit_compile=True`` runs for the transformer block only (XLA compiles no
+section op, the compiled call runs under the lock, and compiling costs seconds). The
+keras-hub part needs keras-hub (not a test dependency): it is skipped, saying so, when
+it is not installed; its default run takes one model (BERT, ``fit`` and the custom step).
 
 ``test_grappler_keeps_the_fused_ops_of_the_plain_step``: the graph TensorFlow runs after
 Grappler (``RunMetadata``'s post-optimization graph) of a protected step holds the same
@@ -233,8 +235,17 @@ def assert_bitwise(build: Callable[[], keras.Model], how: str, x: Any, y: Any) -
     )
 
 
-@pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("name", ARCHITECTURES)
+# XLA compiles no section op (the compiled call runs under the lock), and compiling costs
+# seconds: by default one architecture runs with jit_compile=True, all of them when full.
+BLOCK_CASES = [
+    (name, how)
+    for name in ARCHITECTURES
+    for how in HOWS
+    if FULL or how != "jit" or name == "transformer"
+]
+
+
+@pytest.mark.parametrize(("name", "how"), BLOCK_CASES)
 def test_a_model_in_the_scope_trains_bitwise_as_without(determinism, name, how):
     x, y = _data((SIZE, SIZE, 3))
     assert_bitwise(lambda: _block_model(name), how, x, y)
@@ -250,7 +261,12 @@ def test_keras_applications_train_bitwise_in_the_scope(determinism, name, how):
 
 # --------------------------------------------------------------------------- keras-hub
 
-HUB_MODELS = ("bert", "gpt2", "vit") if FULL else ("bert",)
+HUB_CASES = [
+    (name, how)
+    for name in ("bert", "gpt2", "vit")
+    for how in HOWS
+    if FULL or (name == "bert" and how != "jit")
+]
 
 
 def _hub_model(hub: Any, name: str) -> keras.Model:
@@ -282,8 +298,7 @@ def _hub_data(name: str) -> tuple[Any, np.ndarray]:
     return _data((SIZE, SIZE, 3))
 
 
-@pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("name", HUB_MODELS)
+@pytest.mark.parametrize(("name", "how"), HUB_CASES)
 def test_keras_hub_models_train_bitwise_in_the_scope(determinism, name, how):
     if importlib.util.find_spec("keras_hub") is None:
         pytest.skip("keras-hub is not installed (pip install --no-deps keras-hub)")
@@ -314,7 +329,7 @@ def _optimized_ops(build: Callable[[], keras.Model], scoped: bool, x: Any, y: An
     return collections.Counter(node.op for node in step.node)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet"])
+@pytest.mark.parametrize("name", ["efficientnet", "mobilenet_v2"] if FULL else ["efficientnet"])
 def test_grappler_keeps_the_fused_ops_of_the_plain_step(name):
     x, y = _data((SIZE, SIZE, 3))
     plain = _optimized_ops(lambda: _block_model(name), False, x, y)
