@@ -13,7 +13,7 @@ and 16x16 inputs, so that each costs seconds: MobileNetV2's inverted residual bl
 EfficientNet's MBConv block (swish, squeeze-excitation, the input rescaling and
 normalization), ResNet's bottleneck block, DenseNet's dense and transition blocks, and a
 transformer block (``MultiHeadAttention``, ``LayerNormalization``, a GELU MLP). What
-failed before safevars 0.x (issue 46): the section's control edges changed what
+failed before issue 46: the section's control edges changed what
 Grappler rewrites, so MobileNetV2 and EfficientNet trained to other bits
 (:mod:`safevars.sections.gate`, ``narrow`` and ``stateful``).
 ``SAFEVARS_BITWISE=full`` also runs Keras' own MobileNetV2, EfficientNetB0, ResNet50 and
