@@ -33,6 +33,7 @@ of the ratio of throughputs.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -133,6 +134,11 @@ def _variant(trainer: Trainer, threads: int, steps: int, crews: list[Crew]) -> C
     return call
 
 
+def _close(crews: list[Crew]) -> None:
+    for crew in crews:
+        crew.close()
+
+
 def cases(ctx: Context) -> list[Case]:
     steps = STEPS[ctx.quick]
     with tf.device(ctx.device):
@@ -155,10 +161,6 @@ def cases(ctx: Context) -> list[Case]:
                 for name in (baseline, variant)
             }
 
-            def teardown(crews: list[Crew] = crews) -> None:
-                for crew in crews:
-                    crew.close()
-
             out.append(
                 Case(
                     family=FAMILY,
@@ -172,7 +174,7 @@ def cases(ctx: Context) -> list[Case]:
                         "batch": BATCH,
                     },
                     goal=(variant, "<=", bound) if threads > 1 else None,
-                    teardown=teardown,
+                    teardown=functools.partial(_close, crews),
                 )
             )
     return out
