@@ -13,8 +13,6 @@ steps when two threads read the same momentum.
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -28,13 +26,12 @@ SIZE = 1 << 20  # elements: reading, updating and writing the momentum takes a w
 LEARNING_RATE = 0.5  # times a gradient of 1: the momentum moves by exactly 0.5 a step
 
 
-def _trainer(lock_span: str | None):
+def _trainer(lock_span: str):
     """A linear model, SGD and a traced step whose gradient is 1 for every weight."""
-    with safevars.scope() if lock_span is not None else contextlib.nullcontext():
+    with safevars.scope():
         weights = keras.Variable(tf.zeros([SIZE]))
         sgd = keras.optimizers.SGD(LEARNING_RATE, momentum=1.0)
-        if lock_span is not None:
-            sgd = safevars.SafeOptimizer(sgd, lock_span=lock_span)
+        sgd = safevars.SafeOptimizer(sgd, lock_span=lock_span)
     sgd.build([weights])
     wide = tf.Variable(tf.ones([160, 160]))  # work between the read and the update
 
