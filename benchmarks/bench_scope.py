@@ -14,6 +14,9 @@ size, and:
 * ``fit_plain_inside`` and ``fit_plain_outside``: ``model.fit`` epochs with a plain
   ``Adam``, the model compiled inside the scope (the loss tracker is then the scope's
   too) or outside it;
+* ``fit_protected``: ``model.fit`` epochs with a plain ``Adam`` of a model built and
+  fitted once without safevars, then protected in place by ``safevars.protect(model)``
+  (the model a user already has);
 * ``xla_step``: ``custom_step`` compiled with XLA (``jit_compile=True``) on both sides;
 * ``snapshot``: ``safevars.snapshot(model)`` of the trained scope model (its lock in
   run-time mode) with no writer running, against ``read every weight``
@@ -59,10 +62,10 @@ from benchmarks.tf_functions import variant_function
 FAMILY = "scope"
 DESCRIPTION = (
     "a model built in safevars.scope() at 20/50/100 variables: custom, fit (safe and "
-    "plain Adam) and XLA steps, snapshot(model), against the same model without safevars"
+    "plain Adam), fit after safevars.protect(model), XLA steps, snapshot(model), against the same model without safevars"
 )
 ORDER = 10
-# Measured first, in a process of its own (a full run): tracing its 33 models leaves
+# Measured first, in a process of its own (a full run): tracing its 36 models leaves
 # about 850 MB that TensorFlow keeps after them (issue 44).
 ISOLATED = True
 SECONDS = {"full": 200, "quick": 8}  # on a quiet 2-core CPU, estimated: see the guide
@@ -228,6 +231,25 @@ def _fit_case(
     )
 
 
+def _protected_case(layers: int, plain: Callable[[], None], steps: int) -> Case:
+    """``model.fit`` epochs of ``steps``: plain Adam (``plain``, shared with the other fit
+    cases of the size) against a model built, compiled and fitted once without safevars,
+    then protected by ``safevars.protect(model)`` (its train function traced again)."""
+    model = _model(layers)
+    scoped = _fit(model, steps, keras.optimizers.Adam(1e-3))
+    scoped()  # fitted plain first: what protect is for
+    safevars.protect(model)
+    label = "safevars.protect(model) + Adam"
+    return Case(
+        family=FAMILY,
+        name=f"fit_protected/v{2 * layers}",
+        variants={"Adam": plain, label: scoped},
+        ops_per_call=steps,
+        params=_params("fit_protected", layers, steps_per_epoch=steps),
+        goal=(label, GOAL),
+    )
+
+
 def _snapshot_case(layers: int, subject: _Trained) -> Case:
     model, weights = subject.model, subject.weights
 
@@ -287,7 +309,7 @@ def _while_training_case(layers: int, subject: _Trained) -> Case:
 
 
 def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
-    """The seven cases of one size, each built when its turn comes. The three fit cases
+    """The eight cases of one size, each built when its turn comes. The three fit cases
     share their baseline (plain model, its compiled train function), and ``custom_step``
     shares its trained scope model with the snapshot cases: each is built and traced
     once per size, not once per case."""
@@ -318,6 +340,7 @@ def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
             "fit_plain_inside",
             lambda: _fit_case(layers, "fit_plain_inside", plain_fit.get(), steps, False, True),
         ),
+        lazy("fit_protected", lambda: _protected_case(layers, plain_fit.get(), steps)),
         lazy(
             "fit_plain_outside",
             lambda: _fit_case(layers, "fit_plain_outside", plain_fit.take(), steps, False, False),
