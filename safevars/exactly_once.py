@@ -14,7 +14,7 @@ safevars critical section the step traces (``SafeVariable`` writes and ``update`
 ``GradientAccumulator.add``...) becomes, inside its locks and on the parameter server
 that holds them::
 
-    if (token, section) is not in this lock's table:   # a hash table next to the lock
+    if (token, section) is not in the table:   # a hash table on the lock's parameter server
         run the section; record (token, section)        # in the same critical section
     else:
         write nothing; count one discarded duplicate    # statistics().duplicates_discarded
@@ -49,9 +49,25 @@ NOTES:
     would have returned) in place of its results: a step's result is that of the
     attempt whose result came back. Read-only sections (snapshots, ``statistics()``)
     are never recorded: a retry reads again.
-  * The tables keep one entry per applied section (about 44 bytes each, measured) for
-    the life of the parameter servers; they are not checkpointed. A retry must call the
-    same function with arguments of the same types and shapes (the same trace).
+  * Checkpoints: :func:`tables` is this coordinator's table object; put it in the
+    ``tf.train.Checkpoint`` (or ``CheckpointManager``) of the variables the steps
+    write. A save of it holds the mutex of every lock of an exactly-once section
+    while it reads (sections in progress finish first, others wait), so each
+    checkpoint holds a section's entry exactly when it holds its writes, even while
+    steps run. A new coordinator that restores it and schedules every step again with
+    the same tokens applies each step exactly once. Section ids come from the step's
+    qualified name and the section's place in the trace, so they are the same in the
+    new process. (Two *different* step functions given the same token could share a
+    section id with probability about 2**-20 per pair of sections on one parameter
+    server: give each function its own token range, or draw tokens.)
+  * Bounded tables: each applied section keeps one entry (42-44 bytes of resident
+    memory, measured with 0.5-2 million entries) until :meth:`Tables.compact` declares
+    the tokens below a watermark finished and removes theirs. Compacting every ``W``
+    tokens to ``below = newest - W`` keeps at most ``2 * W`` tokens' entries per table
+    (times the sections a step has on that parameter server), plus one for the
+    watermark. A token below the watermark is refused by :func:`schedule` and
+    discarded at run time. A retry must call the same function with arguments of the
+    same types and shapes (the same trace).
   * Writes made outside safevars (a plain ``tf.Variable.assign``) are not protected.
 """
 

@@ -359,7 +359,9 @@ def test_compact_needs_a_token(fresh_tables, below):
         exactly_once.tables().compact(below)
 
 
-def test_the_watermark_and_entries_are_restored_from_a_checkpoint(fresh_tables, tmp_path):
+def test_the_watermark_and_entries_are_restored_from_a_checkpoint(
+    fresh_tables, monkeypatch, tmp_path
+):
     v = safevars.SafeVariable(0.0)
     step = _counting_step(v)
     coordinator = _Coordinator()
@@ -371,16 +373,44 @@ def test_the_watermark_and_entries_are_restored_from_a_checkpoint(fresh_tables, 
     for i in range(4, 6):
         exactly_once.schedule(coordinator, step, token=i)
     assert v.numpy() == 6.0 and once.size() == 5
-    tf.train.Checkpoint(v=v, exactly_once=once).read(path).assert_consumed()
-    assert v.numpy() == 4.0 and once.size() == 3 and once.watermark == 2
+    # What a new coordinator does: new variables, new tables, restored, every step again.
+    monkeypatch.setattr(exactly_once, "_TABLES", None)
+    w = safevars.SafeVariable(0.0)
+    restored = exactly_once.tables()
+    restored.table_for(w.device)  # tables(strategy) creates them for parameter servers
+    tf.train.Checkpoint(v=w, exactly_once=restored).read(path).assert_consumed()
+    assert w.numpy() == 4.0 and restored.size() == 3
+    step_w = _counting_step(w)  # the same step (qualified name): the same section ids
     with pytest.raises(safevars.InvalidArgumentError, match="watermark 2"):
-        exactly_once.schedule(coordinator, step, token=1)
-    for i in range(6):  # every step not compacted, again: 4 and 5 apply, once
-        if i >= 2:
-            exactly_once.schedule(coordinator, step, token=i)
-    assert v.numpy() == 6.0
+        exactly_once.schedule(coordinator, step_w, token=1)
+    assert restored.watermark == 2
+    for i in range(2, 6):  # 2 and 3 are in the checkpoint; 4 and 5 apply, once
+        assert exactly_once.schedule(coordinator, step_w, token=i).outcome() == "done"
+    assert w.numpy() == 6.0 and w.statistics().duplicates_discarded == 2
 
 
 def test_tables_requires_a_parameter_server_strategy():
     with pytest.raises(safevars.InvalidArgumentError, match="ParameterServerStrategy"):
         exactly_once.tables(tf.distribute.get_strategy())
+
+
+def test_section_ids_are_the_same_in_a_new_process(fresh_tables):
+    # A restored coordinator traces its steps again: each section must get the id it
+    # had, whatever else was traced first (ids come from the step's name and the
+    # section's place, not from a process-wide counter).
+    a, b = safevars.SafeVariable(0.0), safevars.SafeVariable(0.0)
+
+    @tf.function
+    def step():
+        a.update(lambda x: x + 1.0)
+        safevars.transaction([a, b], lambda: b.assign_add(1.0))
+
+    coordinator = _Coordinator()
+    exactly_once.schedule(coordinator, step, token=0)
+    first = [sid for _, sid in exactly_once._step_function(step).traces[0].sections]
+    exactly_once.schedule(coordinator, _counting_step(a), token=0)  # other sections
+    again = exactly_once._StepFunction(step)  # what a new process builds
+    coordinator.schedule(again.function, args=(tf.constant(0, tf.int64),))
+    assert [sid for _, sid in again.traces[0].sections] == first
+    assert len(set(first)) == 2
+    assert a.numpy() == 2.0 and b.numpy() == 1.0  # the retrace's sections: discarded
