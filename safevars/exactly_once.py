@@ -167,7 +167,21 @@ class Tables(tf.Module):
         self._floor_known = True
 
     def table_for(self, device: str) -> Any:
-        """The table of ``device`` (its parameter server), created the first time."""
+        """The table of ``device`` (its parameter server), created the first time.
+
+        Args:
+          device: The device string of a parameter server's CPU (the device of the
+            variables whose sections record there).
+
+        Returns:
+          The ``tf.lookup.experimental.MutableHashTable`` of that device, a child of
+          this object named after the task (``ps_0``): a restore of this object
+          (pending or done) fills it when it is created.
+
+        Thread safety: created once per device, under a process-wide lock.
+
+        Modes: eager or while tracing (the table is created outside the graph).
+        """
         name = _device_name(device)
         with _LOCK:
             table = self._by_device.get(name)
@@ -185,16 +199,28 @@ class Tables(tf.Module):
                 )
             self._by_device[name] = table
             setattr(self, name, table)  # tracked: a deferred restore applies here
+            self._floor_known = False  # which may bring a watermark
             return table
 
     def size(self) -> int:
-        """Entries in every table, each table's watermark entry (once set) included."""
+        """Entries in every table, each table's watermark entry (once set) included.
+
+        Thread safety: each table's count is read at the call; sections running
+        meanwhile may add entries.
+
+        Modes: eager, on the coordinator (one read per parameter server).
+        """
         with tf.init_scope():
             return sum(int(t.size()) for t in list(self._by_device.values()))
 
     @property
     def watermark(self) -> int:
-        """Tokens below this were declared finished (0: none); read from the tables."""
+        """Tokens below this were declared finished (0: none); read from the tables.
+
+        Thread safety: read at the call; it only goes up.
+
+        Modes: eager, on the coordinator (one read per parameter server).
+        """
         floor = 0
         with tf.init_scope():
             for table in list(self._by_device.values()):
@@ -685,6 +711,10 @@ class ScheduledStep:
         Returns:
           The new :class:`ScheduledStep` (same token).
 
+        Raises:
+          InvalidArgumentError: the token is below the watermark of
+            :meth:`Tables.compact`.
+
         Thread safety: safe while earlier attempts may still run: every section is
         applied at most once in total.
 
@@ -737,8 +767,9 @@ def schedule(
 
     Raises:
       NotCallableError: ``fn`` is not callable.
-      InvalidArgumentError: ``coordinator`` has no ``schedule`` method, or ``token`` is
-        not an ``int`` in range.
+      InvalidArgumentError: ``coordinator`` has no ``schedule`` method, ``token`` is
+        not an ``int`` in range, or it is below the watermark of
+        :meth:`Tables.compact` (that step was declared finished).
       UnsupportedStrategyError: when the step is traced: a section inside a loop, a
         nested ``tf.function`` or an XLA-compiled function (see the module notes).
       Exception: whatever ``coordinator.schedule`` raises (an earlier step's error:
