@@ -20,7 +20,7 @@ import pytest
 from tests.distributed.cluster_harness import last_json_line, run_together, script
 from tests.support.deadlines import scaled
 
-STEPS, SAVES = 120, 3
+STEPS, SAVES = 160, 3
 TIMEOUT = 240.0  # Seconds for each coordinator process; a bound on a hang, not timing.
 
 
@@ -103,7 +103,7 @@ def test_every_checkpoint_holds_an_entry_exactly_for_each_applied_section(restar
         # transaction seen half applied.
         assert entry["entries"] == entry["counter"] + entry["b"]
         assert entry["a"] + entry["b"] == 1000.0
-        assert entry["b"] <= entry["counter"] <= entry["b"] + 1 + 2  # 2 workers in flight
+        assert entry["b"] <= entry["counter"] <= entry["b"] + 2  # 2 workers: 2 in flight
     assert 0 < saved[-1]["counter"] < STEPS  # mid-run
 
 
