@@ -20,7 +20,7 @@ import pytest
 from tests.distributed.cluster_harness import last_json_line, run_together, script
 from tests.support.deadlines import scaled
 
-STEPS, SAVES = 160, 3
+STEPS, SAVES = 160, 5
 TIMEOUT = 240.0  # Seconds for each coordinator process; a bound on a hang, not timing.
 
 
