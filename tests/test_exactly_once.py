@@ -4,7 +4,11 @@
 parameter server, on 127.0.0.1) in a subprocess; workers 1 and 2 are processes of their
 own that it kills (SIGKILL) and restarts mid-run, with a step in flight after its writes
 reached the parameter server (certain duplicates) and at random moments. Nothing is
-mocked. The in-process tests below check arguments and that ordinary writes pay nothing.
+mocked. The in-process tests below check arguments and that ordinary writes pay nothing,
+and run real tables and sections on this process's CPU through a coordinator stand-in
+that runs each call at once: a failed write leaves its section unrecorded, compaction
+bounds the tables, section ids are stable. Checkpoints with a killed coordinator are
+``test_exactly_once_checkpoints.py``.
 """
 
 from __future__ import annotations
