@@ -4,7 +4,11 @@
 parameter server, on 127.0.0.1) in a subprocess; workers 1 and 2 are processes of their
 own that it kills (SIGKILL) and restarts mid-run, with a step in flight after its writes
 reached the parameter server (certain duplicates) and at random moments. Nothing is
-mocked. The in-process tests below check arguments and that ordinary writes pay nothing.
+mocked. The in-process tests below check arguments and that ordinary writes pay nothing,
+and run real tables and sections on this process's CPU through a coordinator stand-in
+that runs each call at once: a failed write leaves its section unrecorded, compaction
+bounds the tables, section ids are stable. Checkpoints with a killed coordinator are
+``test_exactly_once_checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -210,3 +214,207 @@ def test_ordinary_writes_trace_no_extra_op_and_count_no_duplicates():
     assert v.numpy() == 2.0
     assert v.statistics().duplicates_discarded == 0
     assert v.guard not in locking.DUPLICATE_COUNTERS
+
+
+# --------------------------------------------------------------------- in process, run
+
+
+class _Attempt:
+    """What ``_Coordinator.schedule`` returns: the call's result or error, at once."""
+
+    def __init__(self, fn, args, kwargs):
+        try:
+            self.value, self.error = fn(*args, **kwargs), None
+        except tf.errors.OpError as e:
+            self.value, self.error = None, e
+
+    def fetch(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Coordinator:
+    """Runs each scheduled call at once, in this process (no cluster): the tables and
+    sections are the real ones, on this process's CPU."""
+
+    def schedule(self, fn, args=None, kwargs=None):
+        return _Attempt(fn, args or (), kwargs or {})
+
+
+@pytest.fixture
+def fresh_tables(monkeypatch):
+    """A new process-wide Tables object for the test (the watermark is per object)."""
+    monkeypatch.setattr(exactly_once, "_TABLES", None)
+    return exactly_once.tables
+
+
+def _counting_step(v):
+    @tf.function
+    def step():
+        v.update(lambda x: x + 1.0)
+
+    return step
+
+
+def test_a_retry_applies_the_section_whose_write_failed(fresh_tables):
+    # The section's write fails (an assertion inside the section, before the write):
+    # its table entry must not be recorded, so the retry with the same token applies.
+    v = safevars.SafeVariable(0.0)
+    failing = tf.Variable(True)
+
+    @tf.function
+    def step():
+        def checked(x):
+            ok = tf.debugging.Assert(tf.logical_not(failing.read_value()), ["injected"])
+            with tf.control_dependencies([ok]):
+                return x + 1.0
+
+        v.update(checked)
+
+    coordinator = _Coordinator()
+    first = exactly_once.schedule(coordinator, step, token=7)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="injected"):
+        first.fetch()
+    assert first.outcome() == "not_applied"
+    failing.assign(False)
+    again = first.reschedule()
+    assert again.outcome() == "done"
+    assert v.numpy() == 1.0 and v.version == 1
+    assert v.statistics().duplicates_discarded == 0
+    assert exactly_once.schedule(coordinator, step, token=7).outcome() == "done"
+    assert v.numpy() == 1.0 and v.statistics().duplicates_discarded == 1
+
+
+_WRITES = {"AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"}
+
+
+def test_the_table_insert_waits_for_every_write_of_the_section(fresh_tables):
+    # Graph check: in the branch that applies a section, each write (value and version)
+    # is an ancestor of the LookupTableInsertV2 op (a worker that dies between them
+    # must leave the section unrecorded).
+    v = safevars.SafeVariable(0.0)
+    step = _counting_step(v)
+    exactly_once.schedule(_Coordinator(), step, token=1).fetch()
+    function = exactly_once._step_function(step).function
+    graph_def = function.get_concrete_function(tf.TensorSpec([], tf.int64)).graph.as_graph_def()
+    (branch,) = [
+        f
+        for f in graph_def.library.function
+        if any(n.op == "LookupTableInsertV2" for n in f.node_def)
+    ]
+    nodes = {n.name: n for n in branch.node_def}
+    (insert,) = [n for n in branch.node_def if n.op == "LookupTableInsertV2"]
+    seen, stack = set(), [insert.name]
+    while stack:
+        for source in nodes[stack.pop()].input:
+            name = source.lstrip("^").split(":")[0]
+            if name in nodes and name not in seen:
+                seen.add(name)
+                stack.append(name)
+    writes = [n.name for n in branch.node_def if n.op in _WRITES]
+    assert len(writes) >= 2  # the value and its version
+    assert set(writes) <= seen
+
+
+def test_tables_stay_bounded_when_finished_tokens_are_compacted(fresh_tables):
+    v = safevars.SafeVariable(0.0)
+    step = _counting_step(v)
+    coordinator, window, steps = _Coordinator(), 20, 200
+    once = exactly_once.tables()
+    sizes, removed = [], 0
+    for i in range(steps):
+        assert exactly_once.schedule(coordinator, step, token=i).outcome() == "done"
+        sizes.append(once.size())
+        if (i + 1) % window == 0:
+            removed += once.compact(below=i + 1 - window)
+    assert v.numpy() == steps and v.version == steps
+    # One section per step: the entries of the last 2 windows at most, and the watermark.
+    assert max(sizes) <= 2 * window + 1
+    assert once.size() == window + 1
+    assert removed == steps - window
+    assert once.watermark == steps - window
+
+
+def test_a_compacted_token_is_refused_and_a_late_attempt_of_it_writes_nothing(fresh_tables):
+    v = safevars.SafeVariable(0.0)
+    step = _counting_step(v)
+    coordinator = _Coordinator()
+    done = [exactly_once.schedule(coordinator, step, token=i) for i in range(5)]
+    once = exactly_once.tables()
+    assert once.compact(below=3) == 3
+    assert once.compact(below=1) == 0 and once.watermark == 3  # never goes down
+    with pytest.raises(safevars.InvalidArgumentError, match="watermark 3"):
+        exactly_once.schedule(coordinator, step, token=2)
+    with pytest.raises(safevars.InvalidArgumentError, match="watermark 3"):
+        done[0].reschedule()
+    # An attempt already on its way (scheduled before compact) is discarded on arrival.
+    late = exactly_once.ScheduledStep(coordinator, exactly_once._step_function(step), (), {}, 1)
+    assert late.fetch() is None
+    assert v.numpy() == 5.0 and v.statistics().duplicates_discarded == 1
+    exactly_once.schedule(coordinator, step, token=3)  # at the watermark: a duplicate
+    assert exactly_once.schedule(coordinator, step, token=5).outcome() == "done"
+    assert v.numpy() == 6.0 and v.statistics().duplicates_discarded == 2
+
+
+@pytest.mark.parametrize("below", [-1, 2**42 + 1, 1.5, True])
+def test_compact_needs_a_token(fresh_tables, below):
+    with pytest.raises(safevars.InvalidArgumentError, match="compact"):
+        exactly_once.tables().compact(below)
+
+
+def test_the_watermark_and_entries_are_restored_from_a_checkpoint(
+    fresh_tables, monkeypatch, tmp_path
+):
+    v = safevars.SafeVariable(0.0)
+    step = _counting_step(v)
+    coordinator = _Coordinator()
+    for i in range(4):
+        exactly_once.schedule(coordinator, step, token=i)
+    once = exactly_once.tables()
+    once.compact(below=2)
+    path = tf.train.Checkpoint(v=v, exactly_once=once).write(str(tmp_path / "ckpt"))
+    for i in range(4, 6):
+        exactly_once.schedule(coordinator, step, token=i)
+    assert v.numpy() == 6.0 and once.size() == 5
+    # What a new coordinator does: new variables, new tables, restored, every step again.
+    monkeypatch.setattr(exactly_once, "_TABLES", None)
+    w = safevars.SafeVariable(0.0)
+    restored = exactly_once.tables()
+    restored.table_for(w.device)  # tables(strategy) creates them for parameter servers
+    tf.train.Checkpoint(v=w, exactly_once=restored).read(path).assert_consumed()
+    assert w.numpy() == 4.0 and restored.size() == 3
+    step_w = _counting_step(w)  # the same step (qualified name): the same section ids
+    with pytest.raises(safevars.InvalidArgumentError, match="watermark 2"):
+        exactly_once.schedule(coordinator, step_w, token=1)
+    assert restored.watermark == 2
+    for i in range(2, 6):  # 2 and 3 are in the checkpoint; 4 and 5 apply, once
+        assert exactly_once.schedule(coordinator, step_w, token=i).outcome() == "done"
+    assert w.numpy() == 6.0 and w.statistics().duplicates_discarded == 2
+
+
+def test_tables_requires_a_parameter_server_strategy():
+    with pytest.raises(safevars.InvalidArgumentError, match="ParameterServerStrategy"):
+        exactly_once.tables(tf.distribute.get_strategy())
+
+
+def test_section_ids_are_the_same_in_a_new_process(fresh_tables):
+    # A restored coordinator traces its steps again: each section must get the id it
+    # had, whatever else was traced first (ids come from the step's name and the
+    # section's place, not from a process-wide counter).
+    a, b = safevars.SafeVariable(0.0), safevars.SafeVariable(0.0)
+
+    @tf.function
+    def step():
+        a.update(lambda x: x + 1.0)
+        safevars.transaction([a, b], lambda: b.assign_add(1.0))
+
+    coordinator = _Coordinator()
+    exactly_once.schedule(coordinator, step, token=0)
+    first = [sid for _, sid in exactly_once._step_function(step).traces[0].sections]
+    exactly_once.schedule(coordinator, _counting_step(a), token=0)  # other sections
+    again = exactly_once._StepFunction(step)  # what a new process builds
+    coordinator.schedule(again.function, args=(tf.constant(0, tf.int64),))
+    assert [sid for _, sid in again.traces[0].sections] == first
+    assert len(set(first)) == 2
+    assert a.numpy() == 2.0 and b.numpy() == 1.0  # the retrace's sections: discarded
