@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 from tests.support.deadlines import scaled
 
@@ -29,6 +31,7 @@ _CHILD = textwrap.dedent(
     import tensorflow as tf
     import safevars
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump
     trials, trial_deadline = int(sys.argv[1]), float(sys.argv[2])
     rng = random.Random(45)
     pid = os.getpid()
@@ -47,6 +50,10 @@ _CHILD = textwrap.dedent(
                 time.sleep(0.0002)
                 if time.monotonic() - since > 5:  # swallowed: counted, and sent again
                     state["resent"] += 1
+                    if state["resent"] > 3:
+                        print(json.dumps({"swallowed": state}), flush=True)
+                        faulthandler.dump_traceback(all_threads=True)
+                        os._exit(8)
                     os.kill(pid, signal.SIGINT)
                     since = time.monotonic()
 
@@ -124,6 +131,11 @@ def test_sigint_into_looping_writes_never_hangs_orphans_a_lock_or_splits_a_versi
             )
             try:
                 out, _ = child.communicate(timeout=scaled(600))
+            except subprocess.TimeoutExpired:  # stacks, then what it printed
+                child.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                child.kill()
+                out, _ = child.communicate()
             finally:
                 if child.poll() is None:
                     child.kill()
