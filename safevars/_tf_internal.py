@@ -252,7 +252,7 @@ def _context_handle_without_check_point() -> None:
     ``x + 1.0``) reads the eager context's ``_handle``, a Python property. Its first
     instruction is a check point where CPython runs a pending signal handler, and a
     ``KeyboardInterrupt`` raised there, inside the constructor, crashes the process
-    (SIGSEGV, plain TensorFlow too, about once per thousand interrupts of a loop of
+    (SIGSEGV, plain TensorFlow too: a few times per ten thousand interrupts of a loop of
     ``v.update(lambda x: x + 1.0)``). With a getter that is a C function
     (``operator.attrgetter``) no Python frame runs inside the constructor, so the
     interrupt lands at the next check point, after it. The one difference: ``_handle`` of
