@@ -245,6 +245,26 @@ def eager_context() -> Any:
     return _context._context or _context.context()
 
 
+def _context_handle_without_check_point() -> None:
+    """Works around a TensorFlow crash when Ctrl-C lands in an eager tensor's creation.
+
+    TensorFlow's C++ ``EagerTensor`` constructor (``tf.constant(1.0)``, the ``1.0`` of
+    ``x + 1.0``) reads the eager context's ``_handle``, a Python property. Its first
+    instruction is a check point where CPython runs a pending signal handler, and a
+    ``KeyboardInterrupt`` raised there, inside the constructor, crashes the process
+    (SIGSEGV, plain TensorFlow too: a few times per ten thousand interrupts of a loop of
+    ``v.update(lambda x: x + 1.0)``). With a getter that is a C function
+    (``operator.attrgetter``) no Python frame runs inside the constructor, so the
+    interrupt lands at the next check point, after it. The one difference: ``_handle`` of
+    a context not initialized yet is None instead of an ``AssertionError`` (TensorFlow
+    initializes the context before it reads the handle).
+    """
+    _context.Context._handle = property(operator.attrgetter("_context_handle"))
+
+
+_context_handle_without_check_point()
+
+
 def in_xla_context(graph=None) -> bool:
     """Whether ops built now go into an XLA-compiled function (``jit_compile=True``)."""
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())

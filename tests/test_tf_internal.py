@@ -7,9 +7,11 @@ import collections
 import ctypes
 import itertools
 import operator
+import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import warnings
 
@@ -22,6 +24,7 @@ except ImportError:  # Python 3.10
 
 import safevars
 from safevars import _tf_internal
+from tests.support.deadlines import scaled
 
 PACKAGE = pathlib.Path(safevars.__file__).parent  # installed or the source tree
 PYPROJECT = next(  # the checkout's, also when the tests run against an installed wheel
@@ -182,6 +185,62 @@ def test_the_interrupt_check_can_fail():
     assert _chain_under_interrupt(
         lambda steps: itertools.starmap(lambda fn, *args: fn(*args), steps)
     ) == (0, 0)
+
+
+_INTERRUPT_EVERY_POINT_OF_A_SCALAR_CONVERSION = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+import safevars
+
+x = tf.constant(2.0)
+y = x + 1.0
+
+class At:  # KeyboardInterrupt at the k-th check point (function start, C call return)
+    def __init__(self, k):
+        self.k, self.seen, self.fired = k, 0, False
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_return"):
+            if self.seen == self.k:
+                sys.setprofile(None)
+                self.fired = True
+                raise KeyboardInterrupt
+            self.seen += 1
+
+k = 0
+while True:
+    at = At(k)
+    sys.setprofile(at)
+    try:
+        y = x + 1.0  # converts the Python float: an EagerTensor made in C++
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    if not at.fired:
+        break
+    k += 1
+print(k, float(x + 1.0))
+"""
+
+
+def test_an_interrupt_at_every_check_point_of_an_eager_tensor_creation_is_survived():
+    """A KeyboardInterrupt at each check point of ``x + 1.0`` (the float made an
+    EagerTensor by TensorFlow's C++ constructor) propagates, and the process lives on.
+    Without the C getter of the context's ``_handle`` the interrupt lands inside the
+    constructor and TensorFlow crashes (SIGSEGV) at that point."""
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_EVERY_POINT_OF_A_SCALAR_CONVERSION],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert done.returncode == 0, f"ended with {done.returncode}: {done.stderr[-3000:]}"
+    points, value = done.stdout.split()
+    assert int(points) > 20 and float(value) == 3.0
+    assert not isinstance(_tf_internal.eager_context_module.Context._handle.fget, type(lambda: 0))
 
 
 def test_keras_export_archive_is_the_class_that_tracks_endpoint_variables():

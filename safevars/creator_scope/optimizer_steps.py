@@ -9,7 +9,10 @@ section over their lock, which in the scope is one lock for the model and its op
 in a ``tf.function`` the section spans the step from the forward pass's reads of the
 weights, as a SafeOptimizer's default ``lock_span="step"`` does
 (:mod:`safevars.sections.step_span`). Each variable and slot the step wrote counts one
-version, with one add where they share a joint counter. Under a ``tf.distribute``
+version, with one add where they share a joint counter. With Keras'
+``gradient_accumulation_steps=k`` a version counts an applied update: the calls that
+only accumulate add none (weights, slots and accumulators alike), eagerly, traced and
+in ``fit``, as a SafeOptimizer counts them. Under a ``tf.distribute``
 strategy (Keras' apply runs per replica) the update of the variables and slots, which
 Keras runs once in cross-replica context, is that section instead.
 
@@ -131,14 +134,37 @@ def step_guards(optimizer: Any, variables: list[Any]) -> StepGuards | None:
     return found
 
 
+def _applies(optimizer: Any) -> Any:
+    """1 if the optimizer's next step applies an update, 0 if it only accumulates.
+
+    With Keras' ``gradient_accumulation_steps=k`` (else always 1), decided from
+    ``iterations`` before the step as Keras decides it: an ``int`` eagerly, an int64
+    tensor while tracing (read before Keras increments ``iterations``). The caller
+    holds the step's section.
+    """
+    every = getattr(optimizer, "gradient_accumulation_steps", None) if optimizer else None
+    if not every:
+        return 1
+    if tf.executing_eagerly():
+        return int((int(optimizer._iterations.numpy()) + 1) % every == 0)
+    following = tf.cast(tf.convert_to_tensor(optimizer._iterations), tf.int64) + 1
+    return tf.cast(tf.equal(following % every, 0), tf.int64)
+
+
 def step_section(
-    guards: StepGuards, call: Callable[[], Any], spanned: list[Any], after: Any
+    guards: StepGuards,
+    call: Callable[[], Any],
+    spanned: list[Any],
+    after: Any,
+    optimizer: Any = None,
 ) -> Any:
     """Runs ``call()`` (a plain optimizer's step) as one critical section over
     ``guards.locked``, counting one version per variable of ``guards.counted`` written.
 
     In a ``tf.function`` the section spans the step from the reads of ``spanned`` where
-    :func:`~safevars.sections.step_span.plan` allows, else it waits for ``after``.
+    :func:`~safevars.sections.step_span.plan` allows, else it waits for ``after``. With
+    ``optimizer``'s ``gradient_accumulation_steps``, a call that only accumulates counts
+    no version (:func:`_applies`).
     """
 
     def count(written: set[Guard]) -> list[Guard]:
@@ -148,21 +174,28 @@ def step_section(
     try:
         if tf.executing_eagerly():
             with hold(guards.locked):
+                applies = _applies(optimizer)
                 with writes_counted_by_caller(guards.counted) as written:
                     result = call()
-                bump_eager_together(count(written), 1)
+                if applies:
+                    bump_eager_together(count(written), 1)
             return result
 
         def body() -> Any:
             graph = tf.compat.v1.get_default_graph()
+            applies = _applies(optimizer)
             first = len(graph.get_operations())
-            with writes_counted_by_caller(guards.counted) as written:
+            reads = [] if isinstance(applies, int) else [applies]
+            with (
+                tf.control_dependencies(reads),
+                writes_counted_by_caller(guards.counted) as written,
+            ):
                 result = call()
             counted = count(written)
             if counted:
                 with tf.control_dependencies(graph.get_operations()[first:]):
                     done = tf.no_op(name="safevars_step_done")
-                bump_graph_together(counted, done, 1)
+                bump_graph_together(counted, done, applies)
             return result
 
         span = step_span.plan(tf.compat.v1.get_default_graph(), spanned) if spanned else None
@@ -201,7 +234,9 @@ def plain_apply(original: Callable[..., Any]) -> Callable[..., Any]:
         if guards is None:
             return original(self, grads, variables)
         spanned = [*variables, *self.variables]  # (a read of iterations too)
-        return step_section(guards, lambda: original(self, grads, variables), spanned, list(grads))
+        return step_section(
+            guards, lambda: original(self, grads, variables), spanned, list(grads), self
+        )
 
     apply.__wrapped__ = original  # type: ignore[attr-defined]
     apply._safevars = True  # type: ignore[attr-defined]

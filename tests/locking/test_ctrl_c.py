@@ -1,0 +1,156 @@
+"""Ctrl-C never hangs: real SIGINTs into a main thread looping over writes, beside CPU load.
+
+A process whose main thread loops ``v.update(lambda x: x + 1.0)`` (or writes inside
+``safevars.locked``) gets a real ``SIGINT`` from another thread a few milliseconds into
+each trial, hundreds of trials in a row, eagerly and in run-time mode, while a busy-loop
+process keeps the CPUs loaded. After every trial the ``KeyboardInterrupt`` must have
+ended the loop (no hang, nothing swallowed), the lock must be free, no lock held, and the
+value must equal the version (each write adds 1 to both). A trial that does not end is
+reported with every thread's stack; a crash with the child's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+from tests.support.deadlines import scaled
+
+TRIALS = 150  # per case; four cases in one process
+
+_CHILD = textwrap.dedent(
+    """
+    import faulthandler, json, os, random, signal, sys, threading, time
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import tensorflow as tf
+    import safevars
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump
+    trials, trial_deadline = int(sys.argv[1]), float(sys.argv[2])
+    rng = random.Random(45)
+    pid = os.getpid()
+    state = {"case": "", "started": 0, "finished": 0, "resent": 0}
+
+    def sender():  # one SIGINT per trial, once the main thread is inside its loop
+        sent = 0
+        while True:
+            while state["started"] == sent:
+                time.sleep(0.0002)
+            sent = state["started"]
+            time.sleep(rng.uniform(0.0005, 0.01))
+            os.kill(pid, signal.SIGINT)
+            since = time.monotonic()
+            while state["finished"] != sent:
+                time.sleep(0.0002)
+                if time.monotonic() - since > 5:  # swallowed: counted, and sent again
+                    state["resent"] += 1
+                    if state["resent"] > 3:
+                        print(json.dumps({"swallowed": state}), flush=True)
+                        faulthandler.dump_traceback(all_threads=True)
+                        os._exit(8)
+                    os.kill(pid, signal.SIGINT)
+                    since = time.monotonic()
+
+    def watchdog():
+        last, since = (None, 0), time.monotonic()
+        while True:
+            time.sleep(0.5)
+            now = (state["case"], state["finished"])
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > trial_deadline:
+                print(json.dumps({"hang": state}), flush=True)
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(9)
+
+    threading.Thread(target=sender, daemon=True).start()
+    threading.Thread(target=watchdog, daemon=True).start()
+
+    def make(runtime):
+        v = safevars.SafeVariable(0.0)
+        keep = None
+        if runtime:  # a traced write puts the lock in run-time mode (eager writes take
+            keep = tf.function(lambda: v.assign_add(1.0), autograph=False)  # the mutex)
+            keep()
+            assert v.statistics().eager_mutex
+        return v, keep
+
+    def update(v):
+        v.update(lambda x: x + 1.0)
+
+    def locked(v):
+        with safevars.locked(v):
+            v.assign_add(1.0, read_value=False)
+
+    done, bad = {}, []
+    for name, op, runtime in [
+        ("update", update, False),
+        ("update, run-time mode", update, True),
+        ("locked", locked, False),
+        ("locked, run-time mode", locked, True),
+    ]:
+        v, keep = make(runtime)
+        for _ in range(5):
+            op(v)
+        state["case"], state["finished"], state["started"] = name, 0, 0
+        for t in range(1, trials + 1):
+            state["started"] = t
+            try:
+                while True:
+                    op(v)
+            except KeyboardInterrupt:
+                pass
+            stats = v.statistics()
+            held = len(safevars.held_locks())
+            if stats.locked or held or float(v.numpy()) != v.version:
+                bad.append([name, t, stats.locked, held, float(v.numpy()), v.version])
+            state["finished"] = t
+        done[name] = state["finished"]
+    print(json.dumps({"done": done, "bad": bad, "resent": state["resent"]}), flush=True)
+    """
+)
+
+
+def test_sigint_into_looping_writes_never_hangs_orphans_a_lock_or_splits_a_version():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with tempfile.TemporaryFile(mode="w+") as stderr:
+            child = subprocess.Popen(
+                [sys.executable, "-X", "faulthandler", "-c", _CHILD, str(TRIALS), str(scaled(60))],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+            )
+            try:
+                out, _ = child.communicate(timeout=scaled(600))
+            except subprocess.TimeoutExpired:  # stacks, then what it printed
+                child.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                child.kill()
+                out, _ = child.communicate()
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            stderr.seek(0)
+            errors = stderr.read()[-6000:]
+    finally:
+        load.kill()
+        load.wait()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert child.returncode == 0 and lines, (
+        f"the child ended with {child.returncode}; its output:\n{out[-3000:]}\n{errors}"
+    )
+    result = json.loads(lines[-1])
+    cases = ["update", "update, run-time mode", "locked", "locked, run-time mode"]
+    assert result["done"] == dict.fromkeys(cases, TRIALS), result
+    assert result["bad"] == [], f"lock held or value and version split after a trial: {result}"
+    assert result["resent"] == 0, f"a KeyboardInterrupt was swallowed: {result}"
