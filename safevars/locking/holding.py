@@ -68,6 +68,9 @@ class _Hold:
                 self._n = index + 1
                 held.append(lock)
         except BaseException:
+            n = self._n
+            if n < len(locks) and locks[n] in new and locks[n].holder() is me:
+                self._n = n + 1  # taken, then interrupted before it was counted
             self._release()
             raise
 

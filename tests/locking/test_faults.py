@@ -656,3 +656,31 @@ def test_an_exception_at_every_check_point_of_a_take_keeps_counts_and_blocks_who
     run_threads(1, lambda _: taken.extend(acc.take()))  # the lock, from a fresh thread
     kernel, bias = taken
     assert len(set(kernel.numpy().tolist() + bias.numpy().tolist())) == 1
+
+
+def test_an_interrupt_after_a_lock_is_taken_and_before_it_is_counted_frees_it(monkeypatch):
+    """``hold`` counts a lock it took on the line after taking it: an interrupt that lands
+    in between (a signal check point after the call returns, as Python 3.10 has) must not
+    leave that lock held for ever."""
+    from safevars.locking import holding
+
+    a, b = SafeVariable(0.0), SafeVariable(0.0)
+    real_enter = holding.enter
+    calls = []
+
+    def enter_then_interrupted(lock, me, timeout):
+        real_enter(lock, me, timeout)
+        calls.append(lock)
+        if len(calls) == 2:  # the second lock: taken, not yet counted
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(holding, "enter", enter_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with safevars.locked(a, b):
+            pass
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert not a.statistics().locked and not b.statistics().locked
+    assert safevars.held_locks() == []
+    run_threads(2, lambda i: b.assign_add(1.0))  # other threads take it (bounded join)
+    assert float(b.numpy()) == 2.0 and b.version == 2
