@@ -1,4 +1,5 @@
-"""Run-time mode's two levels: versions in variables, and the mutex for eager sections.
+"""Run-time mode's two levels (versions in variables, and the mutex for eager sections),
+and its end: a lock whose graphs are all garbage-collected returns to eager mode.
 
 A lock used only by XLA-compiled functions (called eagerly, which hold the lock around
 the call) keeps its versions in variables but takes no TensorFlow mutex eagerly; the
@@ -8,9 +9,11 @@ it too, and that switch waits for every eager holder that did not.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
+import pytest
 import tensorflow as tf
 
 import safevars
@@ -65,3 +68,138 @@ def test_a_graph_taking_the_mutex_waits_for_an_eager_holder_without_it():
 
     run_threads(4, mixed)
     assert float(v.numpy()) == 111.0 and v.version == 102
+
+
+# --------------------------------------------------------------- run-time mode ends
+
+
+def _mode(v: safevars.SafeVariable) -> tuple[bool, bool, int]:
+    stats = v.statistics()
+    return stats.runtime_mode, stats.eager_mutex, stats.graph_uses
+
+
+def test_a_lock_returns_to_eager_mode_when_its_last_graph_is_freed():
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    version = tf.function(lambda: v.version, autograph=False)
+    add()
+    assert int(version()) == 1
+    assert _mode(v) == (True, True, 2)
+    del add
+    gc.collect()
+    v.assign_add(1.0)  # one function is still alive: eager sections take the mutex
+    assert _mode(v) == (True, True, 1)
+    assert int(version()) == 2
+    del version
+    gc.collect()
+    assert v.statistics().graph_uses == 0
+    v.assign_add(1.0)  # the next eager section switches the lock back
+    assert _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (3.0, 3)
+    v.update(lambda x: x + 1.0)
+    assert (float(v.numpy()), v.version, v.snapshot().version) == (4.0, 4, 4)
+    # A new graph takes the lock to run-time mode again; versions go on from the same.
+    add_again = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add_again()
+    read = tf.function(lambda: (v.read_value(), v.version), autograph=False)
+    assert _mode(v)[:2] == (True, True)
+    value, graph_version = read()
+    assert (float(value), int(graph_version), v.version) == (5.0, 5, 5)
+
+
+def test_the_mutex_is_destroyed_when_the_lock_leaves_run_time_mode():
+    """The mutex is a resource TensorFlow keeps (with a thread once taken) until it is
+    destroyed: a lock that leaves run-time mode destroys it, and so does a lock that is
+    garbage-collected in run-time mode."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    handle = v.guard.lock.cs._handle
+    del add
+    gc.collect()
+    v.assign_add(1.0)
+    with pytest.raises(tf.errors.NotFoundError):  # (a MutexLock would make a new one)
+        tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=False)
+
+    def written_in_a_graph() -> tuple[safevars.SafeVariable, object]:
+        w = safevars.SafeVariable(0.0)
+        add = tf.function(lambda: w.assign_add(1.0), autograph=False)
+        add()
+        return w, add
+
+    kept = written_in_a_graph()
+    handle = kept[0].guard.lock.cs._handle
+    del kept
+    gc.collect()
+    with pytest.raises(tf.errors.NotFoundError):
+        tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=False)
+
+
+def test_graphs_and_eager_writers_stay_exact_while_the_last_graph_goes():
+    """Graph threads update through functions of their own and then drop them, while
+    eager threads update throughout: the lock leaves run-time mode while eager sections
+    run, never while a graph that takes the mutex is alive or running."""
+    v = safevars.SafeVariable(0.0)
+    rounds, graph_threads, eager_threads = 150, 2, 2
+
+    def work(index: int) -> None:
+        if index < graph_threads:
+            step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+            for _ in range(rounds):
+                step()
+            del step
+            gc.collect()
+            for _ in range(rounds):
+                v.update(lambda x: x + 1.0)
+        else:
+            for _ in range(2 * rounds):
+                v.update(lambda x: x + 1.0)
+
+    run_threads(graph_threads + eager_threads, work)
+    total = 2 * rounds * (graph_threads + eager_threads)
+    assert (float(v.numpy()), v.version) == (float(total), total)
+    v.assign_add(1.0)
+    assert _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (float(total + 1), total + 1)
+
+
+def test_a_function_still_alive_keeps_run_time_mode_across_threads():
+    """A function kept by one thread while others write eagerly: every eager section
+    takes the mutex as long as it lives, so its graph's updates are never lost."""
+    v = safevars.SafeVariable(0.0)
+    step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+    step()
+
+    def work(index: int) -> None:
+        for i in range(150):
+            if index % 2:
+                step()
+            else:
+                if i % 50 == 0:
+                    gc.collect()  # (frees nothing that a graph still uses)
+                v.update(lambda x: x + 1.0)
+
+    run_threads(4, work)
+    assert (float(v.numpy()), v.version) == (601.0, 601)
+    assert _mode(v) == (True, True, 1)
+
+
+def test_a_cached_batched_snapshot_does_not_keep_locks_in_run_time_mode():
+    """Snapshots of many variables in run-time mode read them through one cached traced
+    function; that cache does not keep the locks in run-time mode once the graphs that
+    put them there are gone, and is never used over a mutex the lock no longer has."""
+    vs = [safevars.SafeVariable(float(i)) for i in range(10)]
+    add = tf.function(lambda: [v.assign_add(1.0) for v in vs], autograph=False)
+    add()
+    snaps = safevars.snapshot(vs)
+    assert [s.version for s in snaps] == [1] * 10
+    del add
+    gc.collect()
+    for v in vs:
+        v.assign_add(1.0)
+    assert all(_mode(v) == (False, False, 0) for v in vs)
+    assert [s.version for s in safevars.snapshot(vs)] == [2] * 10
+    add = tf.function(lambda: [v.assign_add(1.0) for v in vs], autograph=False)
+    add()  # new mutexes: the cached reader of the old ones must not be used
+    snaps = safevars.snapshot(vs)
+    assert [(float(s.numpy()), s.version) for s in snaps] == [(i + 3.0, 3) for i in range(10)]
