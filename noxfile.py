@@ -13,6 +13,9 @@
   supports, and ``core-keras3.12``: the oldest Keras with the oldest TensorFlow, run
   :data:`CORE_TESTS`. Python 3.10 and 3.13 are each one cell's Python.
 
+pytest runs in parallel in every cell, as in the checkout (``tests/conftest.py``: one
+worker per CPU, whole files to a worker; pytest-xdist comes with the ``test`` extra).
+
 The ranges here are the ones ``pyproject.toml`` declares and
 ``safevars/_tf_internal.py`` (``TESTED_*``) checks at import; ``tests/test_tf_internal.py``
 fails when they disagree with the installed versions, so every cell checks its own.
@@ -60,7 +63,7 @@ CORE_TESTS = [
     "tests/optimizer/test_mirrored.py",
     # safevars.scope(): one lock per step, fit, the mistakes it absorbs (not clusters)
     "tests/scope/test_scope.py",
-    # (the lock count at 2 and 200 variables for one kind of step: about 20 s each)
+    # (the lock count at 2 and 16 variables for one kind of step)
     "tests/scope/test_one_lock_per_step.py::test_a_traced_step_takes_one_lock_whatever_the_model_size[fit-safe]",
     "tests/scope/test_one_lock_per_step.py::test_threads_training_a_scope_model_equal_the_same_steps_in_one_thread",
     "tests/scope/test_one_lock_per_step.py::test_threads_running_fit_steps_equal_the_same_steps_in_one_thread",
@@ -141,8 +144,10 @@ def package(session: nox.Session) -> None:
     (wheel,) = DIST.glob("safevars-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = sorted({n.split("/")[0] for n in names})
-    if [t for t in tops if not t.startswith("safevars")] or "safevars/py.typed" not in names:
-        session.error(f"the wheel should hold safevars/ (with py.typed) only: {tops}")
+    plugin = "_safevars_pytestplugin.py"  # pytest --safevars-audit (entry point pytest11)
+    others = [t for t in tops if not t.startswith("safevars") and t != plugin]
+    if others or plugin not in tops or "safevars/py.typed" not in names:
+        session.error(f"the wheel should hold safevars/ (with py.typed) and {plugin}: {tops}")
     session.log(f"{wheel.name}: {len(names)} files, {wheel.stat().st_size} bytes")
 
 

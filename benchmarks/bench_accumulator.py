@@ -11,6 +11,7 @@ the time is per micro-step (``ops_per_call=K``). The models:
 * ``mlp2x1024``: 256 inputs, 2 × 1024, 10 outputs: 1,323,018 parameters. The gradient
   computation grows with the parameters as the accumulator's work does, and its fixed
   costs are shared by 50 times more elements, so the ratio should approach 1.
+  ``--quick`` takes ``mlp2x192`` instead (88,330 parameters).
 
 Variants:
 
@@ -104,13 +105,14 @@ sum and for Keras' accumulators).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, LazyCase
 from benchmarks.tf_functions import variant_function
 from safevars import _tf_internal as tfi
 from safevars.accumulator import GradientAccumulator
@@ -118,6 +120,7 @@ from safevars.accumulator import GradientAccumulator
 FAMILY = "accumulator"
 DESCRIPTION = "gradient accumulation micro-steps: GradientAccumulator vs Keras accumulation"
 ORDER = 6
+SECONDS = {"full": 15, "quick": 6}  # on a quiet 2-core CPU, estimated: see the guide
 
 CLASSES = 10
 BATCH = 32
@@ -152,6 +155,16 @@ class Model:
 SMALL = Model(features=64, width=128, goal=GOAL, mutex_reference=True)
 LARGE = Model(features=256, width=1024, goal=GOAL)
 MODELS = (SMALL, LARGE)
+# --quick, a smoke test: the large model at 192 wide, its gradients under 65,536 elements
+# (the size from which each is reduced in a compiled call of its own, which the full run
+# and the accumulator's tests cover): its five accumulators' traces and compilations
+# were a fifth of the quick run.
+QUICK_MODELS = (SMALL, Model(features=256, width=192, goal=GOAL))
+
+
+def models(ctx: Context) -> tuple[Model, ...]:
+    """The models of the run: :data:`MODELS`, or :data:`QUICK_MODELS` with ``--quick``."""
+    return QUICK_MODELS if ctx.quick else MODELS
 
 
 def _model(spec: Model) -> keras.Model:
@@ -313,5 +326,8 @@ def _case(ctx: Context, spec: Model) -> Case:
     )
 
 
-def cases(ctx: Context) -> list[Case]:
-    return [_case(ctx, spec) for spec in MODELS]
+def cases(ctx: Context) -> list[LazyCase]:
+    return [
+        LazyCase(FAMILY, spec.case_name, functools.partial(_case, ctx, spec))
+        for spec in models(ctx)
+    ]

@@ -7,7 +7,7 @@ is a ``tf.function`` that takes one epoch of the shard (``n / 4`` elements; 1,02
 elements in ``epoch/elements``) from it and sums the features (so every element is
 materialized). Elements per second is
 ``ops_per_call`` over the call time. The single-element case reads 4 instances of each
-pipeline, each for a block of 50 consecutive calls (see :class:`_Pipeline`); all
+pipeline, each for a block of 40 consecutive calls (see :class:`_Pipeline`); all
 instances share one copy of the data.
 
 * ``shard().shuffle()`` (baseline): ``Dataset.from_tensor_slices((x, y)).shard(4, 1)
@@ -23,7 +23,8 @@ Cases: ``epoch/batch32`` (batches of 32) and ``epoch/elements`` (single elements
 per-element costs of both pipelines, and a commit per element). The issue's goal,
 recorded on both: ShardedInput takes at most 1.05x the baseline's time per element.
 
-Both cases take ``ROUNDS_FACTOR`` (4) times the suite's rounds. Their rounds are noisy on
+Both cases take ``ROUNDS_FACTOR`` (4) times the suite's rounds (``--quick``, a smoke
+test: the suite's rounds, one pipeline instance per variant). Their rounds are noisy on
 a 2-core machine: a call of either pipeline runs at one of two speeds for a few hundred
 milliseconds at a time (ShardedInput's single elements at about 17 or about 30 µs, one
 pipeline alone in a process), so one round's ratio swings between about 0.7 and 1.4.
@@ -35,6 +36,7 @@ keep one mode for its life, hence the instances (docs/history.md).
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -42,13 +44,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, LazyCase
 from benchmarks.tf_functions import variant_function
 from safevars.data import ShardedInput
 
 FAMILY = "data"
 DESCRIPTION = "ShardedInput (disjoint, reshuffled, resumable shards) vs dataset.shard().shuffle()"
 ORDER = 16
+SECONDS = {"full": 25, "quick": 2}  # on a quiet 2-core CPU, estimated: see the guide
 
 GOAL = 1.05
 ROUNDS_FACTOR = 4
@@ -165,8 +168,10 @@ def _case(ctx: Context, batch_size: int | None) -> Case:
         return _reader(iter(data.dataset(SHARD, batch_size=batch_size)), steps, ctx, data.commit)
 
     # Single elements: a quarter of a full pass's calls per instance (2 calls per round,
-    # 100 rounds), so every instance is read in a pass.
-    instances, block = (1, 1) if batch_size is not None else (INSTANCES, 50)
+    # 80 rounds), so every instance is read in a pass.
+    instances, block = (1, 1) if batch_size is not None else (INSTANCES, 40)
+    if ctx.quick:  # a smoke test: one instance, the suite's rounds (see the docstring)
+        instances, block = 1, 1
     pipelines = [_Pipeline(plain, instances, block), _Pipeline(sharded, instances, block)]
     label = "elements" if batch_size is None else f"batch{batch_size}"
 
@@ -187,10 +192,13 @@ def _case(ctx: Context, batch_size: int | None) -> Case:
             "features": FEATURES,
         },
         goal=("ShardedInput", GOAL),
-        rounds_factor=ROUNDS_FACTOR,
+        rounds_factor=1 if ctx.quick else ROUNDS_FACTOR,
         teardown=teardown,
     )
 
 
-def cases(ctx: Context) -> list[Case]:
-    return [_case(ctx, 32), _case(ctx, None)]
+def cases(ctx: Context) -> list[LazyCase]:
+    return [
+        LazyCase(FAMILY, "epoch/batch32", functools.partial(_case, ctx, 32)),
+        LazyCase(FAMILY, "epoch/elements", functools.partial(_case, ctx, None)),
+    ]

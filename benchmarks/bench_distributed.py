@@ -27,6 +27,7 @@ FAMILY = "distributed"
 DESCRIPTION = "ParameterServerStrategy: SafeVariable.update vs racy read-then-write"
 DEFAULT = False
 ORDER = 9
+SECONDS = {"full": 30, "quick": 10}  # on a quiet 2-core CPU, estimated: see the guide
 
 WORKERS = 3
 _cluster: dict[str, Any] = {}

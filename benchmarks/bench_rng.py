@@ -29,6 +29,7 @@ from safevars.rng import ReplicaRNG
 
 FAMILY = "rng"
 ORDER = 7
+SECONDS = {"full": 15, "quick": 2}  # on a quiet 2-core CPU, estimated: see the guide
 DESCRIPTION = (
     "ReplicaRNG.normal vs tf.random.Generator.normal and tf.random.stateless_normal, "
     "same shapes, eager and tf.function"

@@ -1,17 +1,22 @@
 """Family 10: a whole model protected by ``safevars.scope()`` against the same model plain.
 
 Every case builds a ``keras.Sequential`` of ``Dense(16)`` layers (2 variables each) on 16
-features, batch 64, trained with Adam, at about 20, 200 and 400 variables; the baseline
-variant is the same model and optimizer built without safevars, the other is the model
-built inside ``safevars.scope()`` (every variable of the block under one lock). Goals
-(issue 35): each training at most 1.05x the baseline, whatever the size, and:
+features, batch 64, trained with Adam, at 20, 50 and 100 variables (``--quick``: 4);
+the baseline variant is the same model and optimizer built without safevars, the
+other is the model built inside ``safevars.scope()`` (every variable of the block under
+one lock). Goals (issue 35): each training at most 1.05x the baseline, whatever the
+size, and:
 
 * ``custom_step``: a ``tf.function`` training step (forward, backward,
   ``apply_gradients``), ``SafeOptimizer(Adam)`` on the scope's model;
-* ``fit_safe``: ``model.fit`` epochs of 16 steps, compiled with ``SafeOptimizer(Adam)``;
+* ``fit_safe``: ``model.fit`` epochs of 16 steps (``--quick``: 2), compiled with
+  ``SafeOptimizer(Adam)``;
 * ``fit_plain_inside`` and ``fit_plain_outside``: ``model.fit`` epochs with a plain
   ``Adam``, the model compiled inside the scope (the loss tracker is then the scope's
   too) or outside it;
+* ``fit_protected``: ``model.fit`` epochs with a plain ``Adam`` of a model built and
+  fitted once without safevars, then protected in place by ``safevars.protect(model)``
+  (the model a user already has);
 * ``xla_step``: ``custom_step`` compiled with XLA (``jit_compile=True``) on both sides;
 * ``snapshot``: ``safevars.snapshot(model)`` of the trained scope model (its lock in
   run-time mode) with no writer running, against ``read every weight``
@@ -27,6 +32,17 @@ built inside ``safevars.scope()`` (every variable of the block under one lock). 
 
 ``PLOT_AGAINST = "variables"``: the run also draws ``scope_vs_variables.png``, each
 case's ratio against the number of variables.
+
+Sizes (issue 44): until 2026-11-29 the cases ran at 20, 200 and 400 variables, and the
+family took about 10 of the full run's 17 minutes on a 2-core CPU, nearly all of it
+building and tracing the models (a 200-layer model's ``fit`` train function took about a
+minute to trace on a busy machine; the cases trace 8 of them per size). The ratios were
+flat in the size (the 5-pass run on the results page: 0.97-1.04 at 200 variables,
+0.97-1.00 at 400, 1.01-1.08 at 20), which is the point of the family (one lock and one
+joint version add per step, whatever the number of variables), so 50 and 100 variables
+show it at a quarter of the cost. The three ``fit`` cases of a size share their
+baseline (one plain model and its traced train function), and ``custom_step`` shares its
+trained scope model with the two snapshot cases (:class:`_Shared`).
 """
 
 from __future__ import annotations
@@ -40,24 +56,29 @@ import tensorflow as tf
 
 import safevars
 from benchmarks.background import Background
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, LazyCase
 from benchmarks.tf_functions import variant_function
 
 FAMILY = "scope"
 DESCRIPTION = (
-    "a model built in safevars.scope() at 20/200/400 variables: custom, fit (safe and "
-    "plain Adam) and XLA steps, snapshot(model), against the same model without safevars"
+    "a model built in safevars.scope() at 20/50/100 variables: custom, fit (safe and "
+    "plain Adam), fit after safevars.protect(model), XLA steps, snapshot(model), against the same model without safevars"
 )
 ORDER = 10
+# Measured first, in a process of its own (a full run): tracing its 36 models leaves
+# about 850 MB that TensorFlow keeps after them (issue 44).
+ISOLATED = True
+SECONDS = {"full": 200, "quick": 8}  # on a quiet 2-core CPU, estimated: see the guide
 PLOT_AGAINST = "variables"
 
 FEATURES = 16
 BATCH = 64
 FIT_STEPS = 16
+QUICK_FIT_STEPS = 2
 GOAL = 1.05
 SNAPSHOT_GOAL = 1.5
-LAYERS = (10, 100, 200)  # 20, 200 and 400 variables
-QUICK_LAYERS = (2, 20)
+LAYERS = (10, 25, 50)  # 20, 50 and 100 variables
+QUICK_LAYERS = (2,)  # 4 variables: a smoke test of every workload
 
 
 def _model(layers: int) -> keras.Model:
@@ -107,9 +128,10 @@ def _step(model: keras.Model, optimizer: Any, jit_compile: bool) -> Callable[[],
     return call
 
 
-def _fit(model: keras.Model, optimizer: Any | None = None) -> Callable[[], None]:
-    """``model.fit`` for one epoch; compiled here with ``optimizer`` unless it is None."""
-    x, y = _data(FIT_STEPS)
+def _fit(model: keras.Model, steps: int, optimizer: Any | None = None) -> Callable[[], None]:
+    """``model.fit`` for one epoch of ``steps``; compiled here with ``optimizer`` unless
+    it is None."""
+    x, y = _data(steps)
     if optimizer is not None:
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
 
@@ -134,62 +156,102 @@ def _params(workload: str, layers: int, **extra: Any) -> dict[str, Any]:
 SAFE = "scope + SafeOptimizer(Adam)"
 
 
-def _step_case(layers: int, workload: str, jit_compile: bool) -> Case:
-    """A custom training step, plain Adam against the scope's model with SafeOptimizer."""
+class _Shared:
+    """A value built at its first use by a case of one size, and dropped by the last case
+    that uses it (or with the family's cases): what two or three cases of a size share
+    instead of each building and tracing its own copy. A resumed run that skips some of
+    those cases builds it when the first remaining one needs it."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._value: Any = None
+
+    def get(self) -> Any:
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+    def take(self) -> Any:
+        """The value, forgotten here: the caller's case is its last user."""
+        value, self._value = self.get(), None
+        return value
+
+
+class _Trained:
+    """The scope model with ``SafeOptimizer(Adam)`` and its traced custom step, trained
+    once (its lock in run-time mode, as after any traced training): the ``custom_step``
+    case's safe variant and the model both snapshot cases read."""
+
+    def __init__(self, layers: int) -> None:
+        self.model, optimizer = _built(layers, True, True)
+        self.step = _step(self.model, optimizer, False)
+        self.step()
+        self.weights = self.model.weights
+
+
+def _step_case(layers: int, jit_compile: bool, trained: _Shared | None = None) -> Case:
+    """A custom training step, plain Adam against the scope's model with SafeOptimizer
+    (``trained``'s, when given)."""
+    workload = "xla_step" if jit_compile else "custom_step"
     plain, plain_opt = _built(layers, False, False)
-    model, opt = _built(layers, True, True)
+    if trained is not None:
+        safe = trained.get().step
+    else:
+        safe = _step(*_built(layers, True, True), jit_compile)
     extra = {"jit_compile": True} if jit_compile else {}
     return Case(
         family=FAMILY,
         name=f"{workload}/v{2 * layers}",
-        variants={
-            "Adam": _step(plain, plain_opt, jit_compile),
-            SAFE: _step(model, opt, jit_compile),
-        },
+        variants={"Adam": _step(plain, plain_opt, jit_compile), SAFE: safe},
         params=_params(workload, layers, **extra),
         goal=(SAFE, GOAL),
     )
 
 
-def _fit_case(layers: int, workload: str, safe: bool, inside: bool) -> Case:
-    """``model.fit`` epochs, plain Adam against the scope's model (compiled inside the
-    block with ``SafeOptimizer(Adam)`` or ``Adam``, or outside it with ``Adam``)."""
-    plain, plain_opt = _built(layers, False, False)
+def _fit_case(
+    layers: int, workload: str, plain: Callable[[], None], steps: int, safe: bool, inside: bool
+) -> Case:
+    """``model.fit`` epochs of ``steps``, plain Adam (``plain``: one model and trace for
+    the three fit cases of a size) against the scope's model (compiled inside the block
+    with ``SafeOptimizer(Adam)`` or ``Adam``, or outside it with ``Adam``)."""
     if inside:
         model, _ = _built(layers, True, safe, compile_inside=True)
-        scoped = _fit(model)
+        scoped = _fit(model, steps)
     else:
         model, _ = _built(layers, True, False)
-        scoped = _fit(model, keras.optimizers.Adam(1e-3))
+        scoped = _fit(model, steps, keras.optimizers.Adam(1e-3))
     label = SAFE if safe else f"scope + Adam, compiled {'inside' if inside else 'outside'}"
     return Case(
         family=FAMILY,
         name=f"{workload}/v{2 * layers}",
-        variants={"Adam": _fit(plain, plain_opt), label: scoped},
-        ops_per_call=FIT_STEPS,
-        params=_params(workload, layers, steps_per_epoch=FIT_STEPS),
+        variants={"Adam": plain, label: scoped},
+        ops_per_call=steps,
+        params=_params(workload, layers, steps_per_epoch=steps),
         goal=(label, GOAL),
     )
 
 
-def _training_cases(ctx: Context, layers: int) -> list[Case]:
-    with tf.device(ctx.device):
-        return [
-            _step_case(layers, "custom_step", jit_compile=False),
-            _fit_case(layers, "fit_safe", safe=True, inside=True),
-            _fit_case(layers, "fit_plain_inside", safe=False, inside=True),
-            _fit_case(layers, "fit_plain_outside", safe=False, inside=False),
-            _step_case(layers, "xla_step", jit_compile=True),
-        ]
+def _protected_case(layers: int, plain: Callable[[], None], steps: int) -> Case:
+    """``model.fit`` epochs of ``steps``: plain Adam (``plain``, shared with the other fit
+    cases of the size) against a model built, compiled and fitted once without safevars,
+    then protected by ``safevars.protect(model)`` (its train function traced again)."""
+    model = _model(layers)
+    scoped = _fit(model, steps, keras.optimizers.Adam(1e-3))
+    scoped()  # fitted plain first: what protect is for
+    safevars.protect(model)
+    label = "safevars.protect(model) + Adam"
+    return Case(
+        family=FAMILY,
+        name=f"fit_protected/v{2 * layers}",
+        variants={"Adam": plain, label: scoped},
+        ops_per_call=steps,
+        params=_params("fit_protected", layers, steps_per_epoch=steps),
+        goal=(label, GOAL),
+    )
 
 
-def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
-    n = 2 * layers
-    with tf.device(ctx.device):
-        model, opt = _built(layers, True, True)
-        step = _step(model, opt, False)
-    step()  # the lock in run-time mode, as after any traced training
-    weights = model.weights
+def _snapshot_case(layers: int, subject: _Trained) -> Case:
+    model, weights = subject.model, subject.weights
 
     def values() -> None:
         [w.value for w in weights]
@@ -200,11 +262,31 @@ def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
     def snapshot() -> None:
         safevars.snapshot(model)
 
+    return Case(
+        family=FAMILY,
+        name=f"snapshot/v{2 * layers}",
+        variants={
+            "[w.value for w in model.weights]": values,
+            "read every weight": reads,
+            "safevars.snapshot(model)": snapshot,
+        },
+        params=_params("snapshot", layers),
+        goal=("safevars.snapshot(model)", SNAPSHOT_GOAL),
+        goal_reference="read every weight",
+    )
+
+
+def _while_training_case(layers: int, subject: _Trained) -> Case:
+    model, weights = subject.model, subject.weights
+
+    def snapshot() -> None:
+        safevars.snapshot(model)
+
     def locked_reads() -> None:
         with safevars.locked(model):
             [tf.convert_to_tensor(w) for w in weights]
 
-    trainer = Background(step)  # a thread training the model without pause
+    trainer = Background(subject.step)  # a thread training the model without pause
 
     def while_training(read: Callable[[], None]) -> Callable[[], None]:
         def call() -> None:
@@ -213,36 +295,64 @@ def _snapshot_cases(ctx: Context, layers: int) -> list[Case]:
 
         return call
 
+    return Case(
+        family=FAMILY,
+        name=f"snapshot_while_training/v{2 * layers}",
+        variants={
+            "safevars.locked(model) + reads": while_training(locked_reads),
+            "safevars.snapshot(model)": while_training(snapshot),
+        },
+        params=_params("snapshot_while_training", layers),
+        goal=("safevars.snapshot(model)", 1.0),
+        teardown=trainer.close,
+    )
+
+
+def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
+    """The eight cases of one size, each built when its turn comes. The three fit cases
+    share their baseline (plain model, its compiled train function), and ``custom_step``
+    shares its trained scope model with the snapshot cases: each is built and traced
+    once per size, not once per case."""
+
+    def on_device(build: Callable[[], Any]) -> Callable[[], Any]:
+        def built() -> Any:
+            with tf.device(ctx.device):
+                return build()
+
+        return built
+
+    steps = QUICK_FIT_STEPS if ctx.quick else FIT_STEPS
+    plain_fit = _Shared(
+        on_device(lambda: _fit(_model(layers), steps, keras.optimizers.Adam(1e-3)))
+    )
+    trained = _Shared(on_device(lambda: _Trained(layers)))
+    n = 2 * layers
+
+    def lazy(name: str, build: Callable[[], Case]) -> LazyCase:
+        return LazyCase(FAMILY, f"{name}/v{n}", on_device(build))
+
     return [
-        Case(
-            family=FAMILY,
-            name=f"snapshot/v{n}",
-            variants={
-                "[w.value for w in model.weights]": values,
-                "read every weight": reads,
-                "safevars.snapshot(model)": snapshot,
-            },
-            params=_params("snapshot", layers),
-            goal=("safevars.snapshot(model)", SNAPSHOT_GOAL),
-            goal_reference="read every weight",
+        lazy("custom_step", lambda: _step_case(layers, False, trained)),
+        lazy(
+            "fit_safe", lambda: _fit_case(layers, "fit_safe", plain_fit.get(), steps, True, True)
         ),
-        Case(
-            family=FAMILY,
-            name=f"snapshot_while_training/v{n}",
-            variants={
-                "safevars.locked(model) + reads": while_training(locked_reads),
-                "safevars.snapshot(model)": while_training(snapshot),
-            },
-            params=_params("snapshot_while_training", layers),
-            goal=("safevars.snapshot(model)", 1.0),
-            teardown=trainer.close,
+        lazy(
+            "fit_plain_inside",
+            lambda: _fit_case(layers, "fit_plain_inside", plain_fit.get(), steps, False, True),
         ),
+        lazy("fit_protected", lambda: _protected_case(layers, plain_fit.get(), steps)),
+        lazy(
+            "fit_plain_outside",
+            lambda: _fit_case(layers, "fit_plain_outside", plain_fit.take(), steps, False, False),
+        ),
+        lazy("xla_step", lambda: _step_case(layers, True)),
+        lazy("snapshot", lambda: _snapshot_case(layers, trained.get())),
+        lazy("snapshot_while_training", lambda: _while_training_case(layers, trained.take())),
     ]
 
 
-def cases(ctx: Context) -> list[Case]:
-    found: list[Case] = []
+def cases(ctx: Context) -> list[LazyCase]:
+    found: list[LazyCase] = []
     for layers in QUICK_LAYERS if ctx.quick else LAYERS:
-        found += _training_cases(ctx, layers)
-        found += _snapshot_cases(ctx, layers)
+        found += _cases_at(ctx, layers)
     return found

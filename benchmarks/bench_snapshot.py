@@ -36,6 +36,7 @@ DESCRIPTION = (
     "safevars.locked, tf.CriticalSection"
 )
 ORDER = 5
+SECONDS = {"full": 8, "quick": 1}  # on a quiet 2-core CPU, estimated: see the guide
 
 COUNTS = (1, 8, 64)
 READS_PER_CALL = 50

@@ -13,7 +13,7 @@ version (one joint add for all of them).
   at most 1.03×.
 * ``deep_train_step/mlp25x64/b256``: the same step for a deep, narrow MLP (25 hidden
   layers of 64, 52 trainable variables), where a per-variable cost would show. Goal
-  (issue 11): at most 1.05×. ``--quick``: 25 × 32, batch 64.
+  (issue 11): at most 1.05×. ``--quick``: 6 × 32, batch 64.
 * ``xla_train_step/mlp3x512/b256``: the step of the first case compiled with XLA
   (``tf.function(jit_compile=True)``, what Keras picks on a GPU) for both variants. The
   safe step's lock is taken around the compiled call. No goal; the ratio is reported.
@@ -63,7 +63,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, LazyCase
 from benchmarks.tf_functions import variant_function
 from safevars.optimizer import SafeOptimizer
 
@@ -73,6 +73,7 @@ DESCRIPTION = (
     "MirroredStrategy) and a model.fit epoch: SafeOptimizer(Adam) vs Adam"
 )
 ORDER = 3
+SECONDS = {"full": 35, "quick": 12}  # on a quiet 2-core CPU, estimated: see the guide
 
 WIDTH = 512
 LAYERS = 3
@@ -80,6 +81,7 @@ FEATURES = 256
 CLASSES = 10
 GOAL = 1.03  # the 3 x 512 step (issue 11)
 DEEP_LAYERS, DEEP_WIDTH = 25, 64  # 25 hidden + 1 output layer: 52 trainable variables
+QUICK_DEEP_LAYERS = 6  # --quick: tracing 25 layers twice was a quarter of its time
 DEEP_GOAL = 1.05
 
 
@@ -119,8 +121,7 @@ def _train_step(
 
 
 def _mirrored_strategy(ctx: Context) -> tf.distribute.MirroredStrategy:
-    kind = ctx.device_kind.upper()
-    devices = [d.name for d in tf.config.list_logical_devices(kind)][:2] or [ctx.device]
+    devices = _mirrored_devices(ctx)
 
     class _OwnCollectiveKeys(tf.distribute.MirroredStrategy):
         # Collective keys of its own, so no other MirroredStrategy in the benchmark
@@ -166,6 +167,16 @@ def _mirrored_train_step(
     return call
 
 
+def _mirrored_devices(ctx: Context) -> list[str]:
+    """The first two logical devices of the suite's device kind (or the suite's device)."""
+    kind = ctx.device_kind.upper()
+    return [d.name for d in tf.config.list_logical_devices(kind)][:2] or [ctx.device]
+
+
+def _mirrored_name(ctx: Context, width: int, batch: int) -> str:
+    return f"mirrored_train_step/mlp{LAYERS}x{width}/b{batch}/r{len(_mirrored_devices(ctx))}"
+
+
 def _mirrored_case(ctx: Context) -> Case:
     width, batch = (128, 64) if ctx.quick else (WIDTH, 256)
     strategy = _mirrored_strategy(ctx)
@@ -179,7 +190,7 @@ def _mirrored_case(ctx: Context) -> Case:
     replicas = strategy.num_replicas_in_sync
     return Case(
         family=FAMILY,
-        name=f"mirrored_train_step/mlp{LAYERS}x{width}/b{batch}/r{replicas}",
+        name=_mirrored_name(ctx, width, batch),
         variants={
             "Adam": _mirrored_train_step(strategy, plain_model, plain_opt, x, y),
             "SafeOptimizer(Adam)": _mirrored_train_step(strategy, safe_model, safe_opt, x, y),
@@ -247,31 +258,56 @@ def _fit_epoch(model: keras.Model, x: np.ndarray, y: np.ndarray, batch: int) -> 
     return call
 
 
-def cases(ctx: Context) -> list[Case]:
-    batch = 256
-    fit_steps = 2 if ctx.quick else 8
-    deep_width, deep_batch = (32, 64) if ctx.quick else (DEEP_WIDTH, batch)
+def _fit_case(ctx: Context, batch: int, fit_steps: int) -> Case:
     with tf.device(ctx.device):
         x, y = _data(batch * fit_steps)
         fit_plain, fit_safe = _model(1), _model(1)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         fit_plain.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         fit_safe.compile(optimizer=SafeOptimizer(keras.optimizers.Adam(1e-3)), loss=loss)
-    shape = f"mlp{LAYERS}x{WIDTH}"
     params = {"layers": LAYERS, "width": WIDTH, "features": FEATURES, "classes": CLASSES}
+    return Case(
+        family=FAMILY,
+        name=_fit_name(batch, fit_steps),
+        variants={
+            "Adam": _fit_epoch(fit_plain, x, y, batch),
+            "SafeOptimizer(Adam)": _fit_epoch(fit_safe, x, y, batch),
+        },
+        ops_per_call=fit_steps,
+        params={**params, "batch": batch, "steps_per_epoch": fit_steps},
+    )
+
+
+def _fit_name(batch: int, fit_steps: int) -> str:
+    return f"fit_epoch/mlp{LAYERS}x{WIDTH}/b{batch}x{fit_steps}"
+
+
+def cases(ctx: Context) -> list[LazyCase]:
+    """Every case, built when its turn comes (:class:`~benchmarks.case.LazyCase`)."""
+    batch = 256
+    fit_steps = 2 if ctx.quick else 8
+    deep_layers, deep_width, deep_batch = (
+        (QUICK_DEEP_LAYERS, 32, 64) if ctx.quick else (DEEP_LAYERS, DEEP_WIDTH, batch)
+    )
+    mirrored_width, mirrored_batch = (128, 64) if ctx.quick else (WIDTH, 256)
+
+    def step(
+        name: str, width: int, layers: int, batch: int, goal: float | None, **kw: Any
+    ) -> LazyCase:
+        return LazyCase(
+            FAMILY,
+            f"{name}/mlp{layers}x{width}/b{batch}",
+            lambda: _step_case(ctx, name, width, layers, batch, goal, **kw),
+        )
+
     return [
-        _step_case(ctx, "train_step", WIDTH, LAYERS, batch, GOAL),
-        _step_case(ctx, "deep_train_step", deep_width, DEEP_LAYERS, deep_batch, DEEP_GOAL),
-        _step_case(ctx, "xla_train_step", WIDTH, LAYERS, batch, None, jit_compile=True),
-        Case(
-            family=FAMILY,
-            name=f"fit_epoch/{shape}/b{batch}x{fit_steps}",
-            variants={
-                "Adam": _fit_epoch(fit_plain, x, y, batch),
-                "SafeOptimizer(Adam)": _fit_epoch(fit_safe, x, y, batch),
-            },
-            ops_per_call=fit_steps,
-            params={**params, "batch": batch, "steps_per_epoch": fit_steps},
+        step("train_step", WIDTH, LAYERS, batch, GOAL),
+        step("deep_train_step", deep_width, deep_layers, deep_batch, DEEP_GOAL),
+        step("xla_train_step", WIDTH, LAYERS, batch, None, jit_compile=True),
+        LazyCase(FAMILY, _fit_name(batch, fit_steps), lambda: _fit_case(ctx, batch, fit_steps)),
+        LazyCase(
+            FAMILY,
+            _mirrored_name(ctx, mirrored_width, mirrored_batch),
+            lambda: _mirrored_case(ctx),
         ),
-        _mirrored_case(ctx),
     ]

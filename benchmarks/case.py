@@ -4,21 +4,33 @@ Each family lives in ``benchmarks/bench_<family>.py`` and defines::
 
     FAMILY = "eager"                       # the name --cases selects
     DESCRIPTION = "one line for the table"
-    def cases(ctx: Context) -> list[Case]: ...
+    def cases(ctx: Context) -> list[Case | LazyCase]: ...
     DEFAULT = False                        # optional: run only when --cases names it
     ORDER = 3                              # optional: position in runs and reports
     PLOT_AGAINST = "variables"             # optional: a plot of ratios against a parameter
+    SECONDS = {"full": 40, "quick": 3}     # optional: about how long it runs (progress)
+    ISOLATED = True                        # optional: a full run measures it in a process of its own
 
-Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER`` and ``PLOT_AGAINST`` as literals: the runner
-reads them without importing the module, so a family that fails to import is still
-listed and reported by name, and an optional family is not imported unless selected (a
-module whose ``FAMILY`` is not a literal is imported to read it). ``DEFAULT`` may be left
+Write ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``, ``PLOT_AGAINST``, ``SECONDS``
+and ``ISOLATED`` as literals: the runner reads them without importing the module, so a family that fails
+to import is still listed and reported by name, and an optional family is not imported
+unless selected (a module whose ``FAMILY`` is not a literal is imported to read it). ``DEFAULT`` may be left
 out (True); so may ``ORDER`` (families without it come after the others, by file name;
 the issue's family number is a good ``ORDER``). ``PLOT_AGAINST`` names a numeric entry
 of the cases' ``params`` (for instance ``"variables"`` for cases built at 20, 200 and 400
 variables): besides ``overhead_<family>.png``, the run then draws
 ``<family>_vs_<param>.png``, each variant's ratio to the baseline against that parameter,
 one panel per set of cases sharing every other parameter (see :mod:`benchmarks.plots`).
+``SECONDS`` is about how long the family runs on a quiet 2-core CPU, full and ``--quick``:
+the progress line's estimate of the time left is built on it (scaled by how fast the
+run goes, so only the families' proportions matter); a family without it counts as the
+average of the others. ``ISOLATED = True``:
+a full run that selects other families too measures this one first, in a process of its
+own, before the main process imports TensorFlow (see :mod:`benchmarks.cli`). TensorFlow
+keeps some memory for every function a process ever traced (about 10 MB for a 50-layer
+training step, 40 MB for its XLA compilation, after the function and its model are
+gone), so a family that traces many large models would otherwise leave its memory to
+every family after it.
 
 A :class:`Case` holds *variants*: zero-argument callables doing one unit of work. The
 first variant is the baseline (plain ``tf.Variable`` or the stock TensorFlow/Keras way);
@@ -27,6 +39,15 @@ over several rounds and reports per-variant median/min/max and the ratio of medi
 the baseline, each with a 95% confidence interval (see :mod:`benchmarks.timing`). A
 variant may return a ``dict`` of extra figures (for example ``{"lost_updates": 12}``);
 the runner records the value from the last round.
+
+A family whose cases are costly to build (Keras models, traced functions, pipelines)
+returns :class:`LazyCase` entries instead: a name and a function that builds the
+:class:`Case` when its turn comes. The runner builds it, measures it, tears it down and
+drops it (then ``keras.backend.clear_session()`` and a garbage collection), so only one
+such case is alive at a time and the run's memory does not grow with its cases; a
+resumed run (``--resume``) skips a finished lazy case without building it. A family
+may mix both kinds; build what several cases share inside each builder, or share it
+through a cache the builders close over and let the last of them drop it.
 
 A goal is a bound on one ratio: ``(variant, 1.10)`` (or ``(variant, "<=", 1.10)``: the
 variant's median at most 1.10 times the reference's) or ``(variant, ">=", 2.0)`` (at
@@ -103,6 +124,23 @@ class Case:
     teardown: Callable[[], Any] | None = None
     goal_reference: str | None = None
     rounds_factor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyCase:
+    """A case built when its turn comes (see the module docstring).
+
+    Attributes:
+      family: The family name.
+      name: The name of the :class:`Case` that ``build`` returns (unique in the family;
+        a resumed run matches finished cases by it).
+      build: Builds the case (its models, variables, traced functions). Called once,
+        right before the case is measured; the runner drops the case afterwards.
+    """
+
+    family: str
+    name: str
+    build: Callable[[], Case]
 
 
 def goal_spec(goal: Any) -> tuple[str, str, float]:

@@ -1,7 +1,8 @@
 """Finding the case families: every ``bench_<family>.py`` module of a package.
 
-A family is described *statically*: ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``
-and ``PLOT_AGAINST`` are read from the module's source with :mod:`ast`, without importing it. So ``--cases`` knows every
+A family is described *statically*: ``FAMILY``, ``DESCRIPTION``, ``DEFAULT``, ``ORDER``,
+``PLOT_AGAINST``, ``SECONDS`` and ``ISOLATED`` are read from the module's source with :mod:`ast`,
+without importing it. So ``--cases`` knows every
 family's name even when one of them fails to import (that family is then reported as
 failed, with the error), and an optional family (``DEFAULT = False``, like the
 ``distributed`` family) is not even imported unless it is selected. A module whose
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.case import Case, Context
+from benchmarks.case import Case, Context, LazyCase
 
 __all__ = [
     "FamilyInfo",
@@ -49,6 +50,11 @@ class FamilyInfo:
       order: ``ORDER``: position in runs and reports (``None`` sorts last, by file).
       plot_against: ``PLOT_AGAINST``: the numeric case parameter the family's ratios are
         plotted against (``<family>_vs_<param>.png``), or ``None``.
+      isolated: ``ISOLATED``: a full run measures the family in a process of its own
+        (see :mod:`benchmarks.cli`).
+      seconds: ``SECONDS``: about how long the family runs, by mode (``"full"``,
+        ``"quick"``), as ``(mode, seconds)`` pairs, for the progress line's estimate;
+        empty when not given.
       problem: Why the module cannot be used, found without running it (a syntax error,
         no ``FAMILY``), or ``None``.
     """
@@ -61,6 +67,12 @@ class FamilyInfo:
     order: int | None = None
     plot_against: str | None = None
     problem: str | None = None
+    seconds: tuple[tuple[str, float], ...] = ()
+    isolated: bool = False
+
+    def expected_seconds(self, mode: str) -> float | None:
+        """``SECONDS[mode]`` (``"full"`` or ``"quick"``), or None when not given."""
+        return dict(self.seconds).get(mode)
 
 
 _NOT_LITERAL = object()
@@ -108,6 +120,7 @@ def _describe(path: Path, package: str) -> FamilyInfo:
     default = values.get("DEFAULT", True)
     order = values.get("ORDER")
     plot_against = values.get("PLOT_AGAINST")
+    seconds = values.get("SECONDS")
     return FamilyInfo(
         name=name,
         module=module,
@@ -116,6 +129,19 @@ def _describe(path: Path, package: str) -> FamilyInfo:
         default=default if isinstance(default, bool) else True,
         order=order if isinstance(order, int) and not isinstance(order, bool) else None,
         plot_against=plot_against if isinstance(plot_against, str) and plot_against else None,
+        seconds=_seconds(seconds),
+        isolated=values.get("ISOLATED") is True,
+    )
+
+
+def _seconds(value: Any) -> tuple[tuple[str, float], ...]:
+    """``SECONDS`` as ``(mode, seconds)`` pairs: its non-negative numbers only."""
+    if not isinstance(value, dict):
+        return ()
+    return tuple(
+        (str(mode), float(n))
+        for mode, n in value.items()
+        if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0
     )
 
 
@@ -172,7 +198,7 @@ def select(families: Sequence[FamilyInfo], requested: str | None) -> list[Family
     return [f for f in families if f.name in wanted]
 
 
-def load_cases_function(info: FamilyInfo) -> Callable[[Context], list[Case]]:
+def load_cases_function(info: FamilyInfo) -> Callable[[Context], list[Case | LazyCase]]:
     """Imports the family's module and returns its ``cases`` function.
 
     Raises:

@@ -13,25 +13,52 @@ that fails in any pass is reported as failed.
 Every ratio comes with its 95% confidence interval (:func:`benchmarks.timing.ratio_interval`),
 and a goal's verdict with it (:func:`verdict`).
 
+Memory: a case is held no longer than its turn. The runner builds it (a
+:class:`~benchmarks.case.LazyCase` is built only then), measures it, runs its teardown,
+drops it (its result keeps the variants' names, not the callables, nor the models and
+traced functions they closed over), then calls :func:`release_memory`
+(``keras.backend.clear_session()`` and a garbage collection). A run's resident memory
+is that of its largest case, not the sum of all of them (issue 44: the full run reached
+8.6 GB when every case stayed alive until the end).
+
+Nothing is lost when a run stops: after every case, ``checkpoint`` gets the families'
+results so far (the CLI writes them, see :mod:`benchmarks.cli`), and a run continued
+with ``--resume`` (``previous``) skips the cases it already has (:mod:`benchmarks.resume`).
+
 Progress goes to ``progress`` (stderr), one line per case, written in two parts: the
-case's name before it runs, its figures after. What Python's logging and
+case's name before it runs, its figures after; each starts with the time elapsed and
+an estimate of the time left (:mod:`benchmarks.progress`). What Python's logging and
 :mod:`warnings` print while it runs (a TensorFlow retracing warning, say) is held until
 the line is complete, then printed on lines of its own (:mod:`benchmarks.logs`).
+
+Each case's ``phases_s`` says where its wall time went: building it, the variants'
+first calls (tracing), the rest of the warm-up, the timed rounds, and releasing memory;
+its ``memory_mb``, the process's resident memory once the case was released and the
+peak so far (so a run shows which case raised the peak).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import math
+import os
+import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from benchmarks import logs
-from benchmarks.case import Case, Context, goal_spec
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Windows
+    pass
+
+from benchmarks import logs, resume
+from benchmarks.case import Case, Context, LazyCase, goal_spec
 from benchmarks.discovery import FamilyInfo, load_cases_function
+from benchmarks.progress import Estimate
 from benchmarks.report import format_interval, format_seconds
 from benchmarks.schema import SCHEMA_VERSION
 from benchmarks.timing import (
@@ -47,7 +74,16 @@ from benchmarks.timing import (
     repetition_ratios,
 )
 
-__all__ = ["CI_METHOD", "build_document", "case_result", "run_families", "verdict"]
+__all__ = [
+    "CI_METHOD",
+    "PHASES",
+    "build_document",
+    "case_result",
+    "memory_mb",
+    "release_memory",
+    "run_families",
+    "verdict",
+]
 
 CI_METHOD = (
     "paired bootstrap of the ratio of medians: rounds resampled with replacement "
@@ -158,11 +194,14 @@ def case_result(
     timings: Sequence[VariantTiming],
     duration: float,
     error: BaseException | None = None,
+    phases: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The ``case`` object of ``results.json`` for one measured (or failed) case.
 
     ``timings`` are one run's (:func:`benchmarks.timing.measure`) or several runs'
-    pooled (:func:`benchmarks.timing.pool`).
+    pooled (:func:`benchmarks.timing.pool`). ``phases``: seconds of each of
+    :data:`PHASES` (building the case, the variants' first calls, the rest of their
+    warm-up, the timed rounds, releasing memory), recorded as ``phases_s``.
     """
     ops = max(1, int(case.ops_per_call))
     base = timings[0] if timings else None
@@ -208,6 +247,7 @@ def case_result(
         "duration_s": duration,
         "variants": variants,
         "goal": _goal(case, timings, family) if error is None else None,
+        "phases_s": {k: round(v, 4) for k, v in (phases or {}).items()},
     }
 
 
@@ -246,45 +286,157 @@ def _one_line(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: The phases of a case's wall time recorded in ``phases_s`` (see :func:`case_result`).
+PHASES = ("build", "first_call", "warmup", "rounds", "release")
+
+
 @dataclasses.dataclass
 class _CaseRuns:
-    """One case over the repetitions: its first Case (for its metadata) and each run."""
+    """One case over the repetitions: what its result needs, each run, and the result.
 
-    case: Case
+    ``spec`` is the first :class:`Case` built for it with its callables dropped (the
+    variants' names only, no teardown): the models and functions the variants closed
+    over are not kept once the case was measured. ``kept`` is a finished case of the
+    run being resumed, reported as it was.
+    """
+
+    spec: Case | None = None
     runs: list[list[VariantTiming]] = dataclasses.field(default_factory=list)
     duration: float = 0.0
     error: BaseException | None = None
+    phases: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(PHASES, 0.0)
+    )
+    kept: dict[str, Any] | None = None
+    recorded: dict[str, Any] | None = None  # the last result computed (the one reported)
+    memory: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def result(self, family: str) -> dict[str, Any]:
-        if self.error is not None or not self.runs:
-            return case_result(self.case, family, [], self.duration, self.error)
-        return case_result(self.case, family, pool(self.runs), self.duration)
+        """The case's result (computed once per new run: the bootstrap is not free)."""
+        if self.recorded is None:
+            if self.kept is not None:
+                self.recorded = self.kept
+            else:
+                assert self.spec is not None
+                timings = pool(self.runs) if self.runs and self.error is None else []
+                self.recorded = case_result(
+                    self.spec, family, timings, self.duration, self.error, self.phases
+                )
+                self.recorded["memory_mb"] = dict(self.memory)
+        return self.recorded
+
+    def add(self, spec: Case, timings: list[VariantTiming], duration: float, error: Any) -> None:
+        """Records one repetition; ``spec`` as :func:`_spec` makes it."""
+        if self.spec is None or not self.spec.variants:
+            self.spec = spec
+        self.duration += duration
+        if error is not None:
+            self.error = self.error or error
+        else:
+            self.runs.append(timings)
+        self.recorded = None
+
+
+def _spec(case: Case) -> Case:
+    """``case`` without its callables: what :func:`case_result` reads."""
+    return dataclasses.replace(
+        case, variants=dict.fromkeys(case.variants, _dropped), sync=None, teardown=None
+    )
+
+
+def _dropped() -> None:  # pragma: no cover - never called
+    raise RuntimeError("a measured case's variant was called again")
+
+
+def release_memory() -> None:
+    """Frees what a measured case left: Keras' global state (``clear_session``, which
+    also clears TensorFlow's eager kernel cache), every unreachable object, and the C
+    heap's free pages (``malloc_trim``, with glibc: freed tensors otherwise stay in the
+    process's resident memory).
+
+    Keras is only touched when something imported it.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.backend.clear_session(free_memory=False)
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Returns the C heap's free memory to the system (glibc's ``malloc_trim``; nothing
+    elsewhere)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else False
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
+def memory_mb() -> dict[str, float]:
+    """The process's resident memory now and at its peak so far, in MB (Linux; empty
+    elsewhere): recorded with each case (``memory_mb``), so a run shows which case
+    raised its peak."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            resident_pages = int(f.read().split()[1])
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (OSError, ValueError, IndexError, NameError):
+        return {}
+    return {
+        "rss": round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 1e6, 1),
+        "peak": round(peak_kb * 1024 / 1e6, 1),
+    }
 
 
 def _run_case(
-    case: Case,
+    item: Case | LazyCase,
     settings: TimingSettings,
     clock: Callable[[], float],
     device_sync: Callable[[], Any] | None,
-) -> tuple[list[VariantTiming], float, BaseException | None]:
+    phases: dict[str, float],
+) -> tuple[Case | None, list[VariantTiming], float, BaseException | None]:
+    """Builds (a :class:`LazyCase`), measures and tears down one case.
+
+    Returns the case (None if it could not be built), its timings, the seconds it took
+    and its error. ``phases`` gets the seconds of each phase added.
+    """
     started = time.perf_counter()
     timings: list[VariantTiming] = []
     error: BaseException | None = None
+    case: Case | None = None
     try:
+        case = item.build() if isinstance(item, LazyCase) else item
+        built = time.perf_counter()
+        phases["build"] += built - started
+        if not isinstance(case, Case) or not case.variants:
+            raise TypeError(
+                f"a LazyCase must build a Case with at least one variant; got {case!r}"
+            )
         if case.goal is not None:
             goal_spec(case.goal)  # a malformed goal fails its case, not the run
         timings = measure(case, settings, clock=clock, device_sync=device_sync)
+        warmup = sum(t.warmup_s for t in timings)
+        phases["first_call"] += sum(t.first_call_s for t in timings)
+        phases["warmup"] += warmup - sum(t.first_call_s for t in timings)
+        phases["rounds"] += time.perf_counter() - built - warmup
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
         error = e
     finally:
-        if case.teardown is not None:
+        if case is not None and case.teardown is not None:
             try:
                 case.teardown()
             except Exception as e:  # noqa: BLE001
                 error = error or e
     if error is not None:
         timings = []
-    return timings, time.perf_counter() - started, error
+    return case, timings, time.perf_counter() - started, error
 
 
 def _new_record(info: FamilyInfo) -> dict[str, Any]:
@@ -302,6 +454,68 @@ def _new_record(info: FamilyInfo) -> dict[str, Any]:
     }
 
 
+class _Family:
+    """One family over the repetitions: its record and its cases, in their order."""
+
+    def __init__(self, info: FamilyInfo, previous: dict[str, Any] | None) -> None:
+        self.info = info
+        self.record = _new_record(info)
+        self.order: list[str] = []
+        self.cases: dict[str, _CaseRuns] = {}
+        self.started = False
+        self.previous: dict[str, dict[str, Any]] = {}
+        if previous is not None:
+            self.started = True
+            self.record["duration_s"] = previous["duration_s"]
+            for case in previous["cases"]:
+                self.previous[case["name"]] = case
+                self.order.append(case["name"])
+
+    def entry(self, name: str, repeat: int) -> _CaseRuns:
+        """The case's runs, started from the resumed run's figures if it has them."""
+        if name not in self.cases:
+            entry = _CaseRuns()
+            old = self.previous.get(name)
+            if old is not None:
+                entry.duration = old["duration_s"]
+                runs = resume.case_runs(old)
+                if old["status"] != "ok" or len(runs) >= repeat:
+                    entry.kept = old  # finished: reported as it was
+                else:
+                    entry.runs = runs
+                    entry.phases.update(old.get("phases_s") or {})
+                    entry.kept = old  # until a new repetition replaces it
+            self.cases[name] = entry
+            if name not in self.order:
+                self.order.append(name)
+        return self.cases[name]
+
+    def done_before(self, name: str, repetition: int) -> bool:
+        """Whether the resumed run already has repetition ``repetition`` of the case."""
+        old = self.previous.get(name)
+        if old is None:
+            return False
+        return old["status"] != "ok" or old["repetitions"] >= repetition
+
+    def result(self) -> dict[str, Any]:
+        """The family's record with every case recorded so far, in case order."""
+        record = dict(self.record)
+        cases = []
+        for name in self.order:
+            entry = self.cases.get(name)
+            if entry is not None and (entry.kept is not None or entry.spec is not None):
+                cases.append(entry.result(self.info.name))
+            elif name in self.previous:
+                cases.append(self.previous[name])
+        record["cases"] = cases
+        for case in cases:
+            if case["status"] != "ok":
+                record["status"] = "failed"
+                if record["error"] is None:
+                    record["error"] = f"case {case['name']!r}: {case['error']}"
+        return record
+
+
 def run_families(
     families: Sequence[FamilyInfo],
     ctx: Context,
@@ -309,8 +523,12 @@ def run_families(
     progress: TextIO,
     clock: Callable[[], float] = time.perf_counter,
     device_sync: Callable[[], Any] | None = None,
-    load: Callable[[FamilyInfo], Callable[[Context], list[Case]]] = load_cases_function,
+    load: Callable[[FamilyInfo], Callable[[Context], list[Case | LazyCase]]] = load_cases_function,
     repeat: int = 1,
+    previous: Sequence[dict[str, Any]] = (),
+    checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
+    release: Callable[[], None] = release_memory,
+    numbering: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs every family in order, ``repeat`` times, and returns their ``family`` objects.
 
@@ -324,29 +542,63 @@ def run_families(
       load: Imports a family and returns its ``cases`` function (injectable).
       repeat: Passes over all the families; each case's rounds are pooled over them
         (see the module docstring).
+      previous: The ``family`` objects of the run being resumed (``--resume``): their
+        cases are not run again (see :mod:`benchmarks.resume`).
+      checkpoint: Called after every case and every family with the ``family`` objects
+        so far (the families started, each with the cases finished), to write them.
+      release: Called after every case (and family) to free what it left
+        (:func:`release_memory`).
+      numbering: Each family's ``(number, of)`` in the progress lines, when they are a
+        part of a larger run (default: their place in ``families``).
 
     Raises:
       ValueError: ``repeat`` < 1.
+      KeyboardInterrupt: the run was interrupted; the last ``checkpoint`` has every
+        case that finished (the interrupted case's teardown has run).
     """
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}.")
-    records = {info.name: _new_record(info) for info in families}
-    runs: dict[str, dict[str, _CaseRuns]] = {info.name: {} for info in families}
+    before = {f["name"]: f for f in previous}
+    state = {info.name: _Family(info, before.get(info.name)) for info in families}
+    mode = "quick" if ctx.quick else "full"
+    estimate = Estimate(
+        [info.expected_seconds(mode) for info in families], mode, repeat, time.perf_counter()
+    )
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint([f.result() for f in state.values() if f.started])
+
     for repetition in range(1, repeat + 1):
         for number, info in enumerate(families, 1):
-            record, by_case = records[info.name], runs[info.name]
-            started = time.perf_counter()
-            prefix = f"[{number}/{len(families)} {info.name}]"
+            family = state[info.name]
+            family.started = True
+            record = family.record
+            started, earlier = time.perf_counter(), record["duration_s"]
+            shown, of = (numbering or {}).get(info.name, (number, len(families)))
+            prefix = f"[{shown}/{of} {info.name}]"
             if repeat > 1:
                 prefix = f"[repetition {repetition}/{repeat}]{prefix}"
-            print(f"{prefix} {info.description}".rstrip(), file=progress, flush=True)
+            print(
+                f"{prefix} {info.description}".rstrip()
+                + f" ({estimate.line(time.perf_counter())})",
+                file=progress,
+                flush=True,
+            )
             try:
-                cases = list(load(info)(ctx))
-                bad = [c for c in cases if not isinstance(c, Case) or not c.variants]
+                build_cases = load(info)  # imports the family (and what it imports)
+                # Every object alive now lives for the run (modules, TensorFlow's and
+                # Keras' own): out of the collector's way, so that each release costs
+                # what the cases left, not a walk over 300,000 objects (0.36 s).
+                release()
+                gc.freeze()
+                cases: list[Case | LazyCase | None] = list(build_cases(ctx))
+                bad: list[Any] = [c for c in cases if not isinstance(c, (Case, LazyCase))]
+                bad += [c for c in cases if isinstance(c, Case) and not c.variants]
                 if bad:
                     raise TypeError(
-                        f"cases(ctx) must return Case objects with at least one variant; "
-                        f"got {bad[0]!r}"
+                        f"cases(ctx) must return Case objects with at least one variant, "
+                        f"or LazyCase objects; got {bad[0]!r}"
                     )
             except Exception as e:  # noqa: BLE001 - the family is reported as failed
                 record["status"] = "failed"
@@ -354,38 +606,58 @@ def run_families(
                     record["error"], record["traceback"] = _failure(e)
                 print(f"{prefix} FAILED: {_failure(e)[0]}", file=progress, flush=True)
                 cases = []
-            for index, case in enumerate(cases, 1):
+            estimate.start_family(number - 1, len(cases))
+            kept = sum(
+                1 for c in cases if c is not None and family.done_before(c.name, repetition)
+            )
+            if kept:
                 print(
-                    f"{prefix} ({index}/{len(cases)}) {case.name} ...",
-                    end="",
+                    f"{prefix} {kept} of {len(cases)} case(s) kept from the run resumed",
                     file=progress,
                     flush=True,
                 )
+            for index in range(len(cases)):
+                item = cases[index]
+                assert item is not None
+                cases[index] = None  # the run holds the case no longer than its turn
+                name = item.name
+                entry = family.entry(name, repeat)
+                if family.done_before(name, repetition):
+                    estimate.case_done(measured=False)
+                    del item
+                    continue
+                line = (
+                    f"{prefix[:-1]} | {estimate.line(time.perf_counter())}] "
+                    f"({index + 1}/{len(cases)}) {name} ..."
+                )
+                print(line, end="", file=progress, flush=True)
                 with logs.held() as held:  # nothing lands inside the progress line
-                    timings, duration, error = _run_case(case, settings, clock, device_sync)
-                entry = by_case.setdefault(case.name, _CaseRuns(case))
-                entry.duration += duration
-                if error is not None:
-                    entry.error = entry.error or error
-                else:
-                    entry.runs.append(timings)
-                line = case_result(case, info.name, timings, duration, error)
-                print(f" {duration:.1f} s: {_one_line(line)}", file=progress, flush=True)
+                    try:
+                        case, timings, duration, error = _run_case(
+                            item, settings, clock, device_sync, entry.phases
+                        )
+                    finally:
+                        del item
+                released = time.perf_counter()
+                spec = _spec(case) if case is not None else Case(info.name, name, {})
+                del case
+                release()
+                entry.phases["release"] += time.perf_counter() - released
+                entry.memory = memory_mb()
+                entry.kept = None
+                entry.add(spec, timings, duration + time.perf_counter() - released, error)
+                result = entry.result(info.name)
+                print(f" {duration:.1f} s: {_one_line(result)}", file=progress, flush=True)
                 held.replay()
+                estimate.case_done(measured=True)
+                record["duration_s"] = earlier + time.perf_counter() - started
+                save()
             del cases
-            gc.collect()
-            record["duration_s"] += time.perf_counter() - started
-    results = []
-    for info in families:
-        record = records[info.name]
-        record["cases"] = [entry.result(info.name) for entry in runs[info.name].values()]
-        for case in record["cases"]:
-            if case["status"] != "ok":
-                record["status"] = "failed"
-                if record["error"] is None:
-                    record["error"] = f"case {case['name']!r}: {case['error']}"
-        results.append(record)
-    return results
+            release()
+            record["duration_s"] = earlier + time.perf_counter() - started
+            estimate.end_family(number - 1)
+            save()
+    return [state[info.name].result() for info in families]
 
 
 def build_document(
@@ -394,12 +666,32 @@ def build_document(
     ctx: Context,
     families: list[dict[str, Any]],
     repeat: int = 1,
+    selected: Sequence[str] | None = None,
+    complete: bool = True,
+    interrupted_by: str | None = None,
+    resumed: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The whole ``results.json`` document (see :mod:`benchmarks.schema`)."""
+    """The whole ``results.json`` document (see :mod:`benchmarks.schema`).
+
+    Args:
+      metadata: :func:`benchmarks.metadata.collect`'s (of the run's start).
+      settings: The timing settings.
+      ctx: The context the families got.
+      families: The ``family`` objects so far.
+      repeat: ``--repeat``.
+      selected: The families selected, in order (default: those of ``families``).
+      complete: Whether every selected family ran to its end.
+      interrupted_by: ``"SIGINT"`` or ``"SIGTERM"`` when the run was stopped by one.
+      resumed: One ``{"date_utc", "command"}`` per ``--resume`` that continued the run.
+    """
     goals = [c["goal"] for f in families for c in f["cases"] if c["goal"] is not None]
+    names = [f["name"] for f in families] if selected is None else list(selected)
     return {
         "schema_version": SCHEMA_VERSION,
         "status": "failed" if any(f["status"] != "ok" for f in families) else "ok",
+        "complete": complete,
+        "interrupted_by": None if complete else interrupted_by,
+        "resumed": [dict(r) for r in resumed],
         "metadata": metadata,
         "settings": {
             "rounds": settings.rounds,
@@ -408,7 +700,7 @@ def build_document(
             "min_batch_time_s": settings.min_batch_time,
             "sizes": list(ctx.sizes),
             "threads": list(ctx.threads),
-            "families_selected": [f["name"] for f in families],
+            "families_selected": names,
             "confidence_interval": {
                 "level": CI_LEVEL,
                 "method": CI_METHOD,

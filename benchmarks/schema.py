@@ -17,11 +17,21 @@ goal's ``verdict`` is "met" when the interval lies entirely on the right side of
 bound, "missed" when it lies entirely on the wrong side, else "inconclusive" ("not
 measured" without a ratio).
 
+A run writes the document after every case, not only at its end: ``complete`` is false
+until every selected family ran, and ``interrupted_by`` names the signal (``"SIGINT"``,
+``"SIGTERM"``) that stopped a run; a run that was killed (SIGKILL, a crash) leaves its
+last document, ``complete`` false and ``interrupted_by`` null, as does a run still
+going. ``settings.families_selected`` lists every family asked for, ``families`` those
+that started, each with the cases that finished. ``python -m benchmarks --resume DIR``
+finishes such a run and records itself in ``resumed``.
+
 Version 2 (this one) added the intervals, ``verdict``, ``operator``/``bound`` (goals of
 the form ">= x"), ``settings.repeat`` and the per-repetition round counts; ``met`` is
 now true/false only for a met/missed verdict (null when inconclusive). Later additions
 are optional, so documents written before them stay valid: ``ratio_per_repetition`` of a
-goal, ``plot_against`` of a family.
+goal, ``plot_against`` of a family; ``complete``, ``interrupted_by`` and ``resumed`` of
+the document (a document without ``complete`` is a complete run: earlier versions wrote
+only at the end), ``phases_s`` and ``memory_mb`` of a case.
 """
 
 from __future__ import annotations
@@ -206,7 +216,24 @@ _CASE = _obj(
             "anyOf": [{"type": "null"}, _GOAL],
             "description": "The case's performance goal, if it has one.",
         },
+        "phases_s": {
+            "type": "object",
+            "additionalProperties": _num("Seconds."),
+            "description": "Where the case's wall time went, all repetitions: 'build' "
+            "(building the case: models, variables, pipelines), 'first_call' (each "
+            "variant's first call: tracing), 'warmup' (the rest of the warm-up and "
+            "calibration), 'rounds' (the timed rounds), 'release' (freeing memory after "
+            "it). Empty for a case recorded before this field existed.",
+        },
+        "memory_mb": {
+            "type": "object",
+            "additionalProperties": _num("Megabytes (10^6 bytes)."),
+            "description": "The process's memory once the case was measured and released: "
+            "'rss' (resident now) and 'peak' (the highest resident memory of the process "
+            "so far). Empty where the platform does not tell (Linux does).",
+        },
     },
+    optional=("phases_s", "memory_mb"),  # added after version 2 was released
 )
 
 _FAMILY = _obj(
@@ -325,6 +352,30 @@ SCHEMA: dict[str, Any] = {
         {
             "schema_version": {"const": SCHEMA_VERSION, "description": "This schema."},
             "status": _STATUS,
+            "complete": {
+                "type": "boolean",
+                "description": "true when every selected family ran to its end; false in "
+                "the document a run writes after every case, which is what an interrupted "
+                "or killed run leaves (absent in documents from before: complete).",
+            },
+            "interrupted_by": {
+                "type": ["string", "null"],
+                "description": "'SIGINT' (Ctrl-C) or 'SIGTERM' when such a signal stopped "
+                "the run; null otherwise (a complete run, one still going, or one killed "
+                "without a chance to say so).",
+            },
+            "resumed": {
+                "type": "array",
+                "items": _obj(
+                    "One --resume that continued the run.",
+                    {
+                        "date_utc": _str("ISO 8601 UTC time the resumed run started."),
+                        "command": _str("Its command line."),
+                    },
+                ),
+                "description": "Each python -m benchmarks --resume DIR that continued this "
+                "run, in order (empty when it ran in one go).",
+            },
             "metadata": _METADATA,
             "settings": _SETTINGS,
             "families": {"type": "array", "items": _FAMILY, "description": "In run order."},
@@ -334,6 +385,7 @@ SCHEMA: dict[str, Any] = {
                 "description": "Every case goal of the run, with its outcome.",
             },
         },
+        optional=("complete", "interrupted_by", "resumed"),  # added after version 2
     ),
 }
 

@@ -85,11 +85,20 @@ class TimingSettings:
 
     @classmethod
     def quick(cls) -> TimingSettings:
-        return cls(rounds=7, warmup_time=0.01, min_batch_time=0.004)
+        """``--quick``, a smoke test of every case: 5 rounds of 4 ms batches (7 until
+        issue 44), enough for an interval, most of the time being the first calls."""
+        return cls(rounds=5, warmup_time=0.01, min_batch_time=0.004)
 
     @classmethod
     def full(cls) -> TimingSettings:
-        return cls(rounds=25, warmup_time=0.2, min_batch_time=0.03)
+        """The default run's settings: 20 rounds of 20 ms batches after 0.1 s of warm-up.
+
+        Until issue 44 a full run took 25 rounds of 30 ms after 0.2 s: 0.95 s per
+        variant at least, most of the time of the families whose calls are short (60
+        variants in ``eager`` and ``graph`` alone). At 0.5 s per variant the intervals
+        are about 12% wider (the square root of 25/20).
+        """
+        return cls(rounds=20, warmup_time=0.1, min_batch_time=0.02)
 
 
 @dataclasses.dataclass
@@ -105,6 +114,10 @@ class VariantTiming:
         dicts when it returns something else).
       blocks: Rounds of each repetition, in order (``[len(samples)]`` for one run).
       calls_per_batch_blocks: ``calls_per_batch`` of each repetition.
+      first_call_s: Seconds of the variant's first call (tracing, allocation), summed
+        over the repetitions.
+      warmup_s: Seconds of its whole warm-up and calibration, first call included,
+        summed over the repetitions.
     """
 
     name: str
@@ -113,6 +126,8 @@ class VariantTiming:
     extra_rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     calls_per_batch_blocks: list[int] = dataclasses.field(default_factory=list)
+    first_call_s: float = 0.0
+    warmup_s: float = 0.0
 
     @property
     def rounds(self) -> list[int]:
@@ -166,9 +181,23 @@ class _Timer:
         return elapsed, result
 
 
-def _calibrate(timer: _Timer, fn: Callable[[], Any], settings: TimingSettings) -> int:
-    """Warms ``fn`` up and returns how many calls make a batch of ``min_batch_time``."""
+def _calibrate(
+    timer: _Timer, fn: Callable[[], Any], settings: TimingSettings, name: str
+) -> VariantTiming:
+    """Warms ``fn`` up; its timing, with the calls that make a batch of
+    ``min_batch_time`` and the seconds the warm-up took (by ``time.perf_counter``)."""
+    started = time.perf_counter()
     timer.batch(fn, 1)  # First call: tracing, allocation, lazy initialization.
+    first_call = time.perf_counter() - started
+    timing = VariantTiming(name, _calls_per_batch(timer, fn, settings))
+    timing.first_call_s = first_call
+    timing.warmup_s = time.perf_counter() - started
+    return timing
+
+
+def _calls_per_batch(timer: _Timer, fn: Callable[[], Any], settings: TimingSettings) -> int:
+    """Calls ``fn`` in doubling batches for ``warmup_time``; the calls that make a batch
+    of ``min_batch_time``."""
     calls, spent = 1, 0.0
     while True:
         elapsed, _ = timer.batch(fn, calls)
@@ -214,10 +243,7 @@ def measure(
         )
     timer = _Timer(clock, device_sync, case.sync)
     names = list(case.variants)
-    timings = {
-        name: VariantTiming(name, _calibrate(timer, case.variants[name], settings))
-        for name in names
-    }
+    timings = {name: _calibrate(timer, case.variants[name], settings, name) for name in names}
     for round_index in range(settings.rounds * factor):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -258,6 +284,8 @@ def pool(repetitions: Sequence[Sequence[VariantTiming]]) -> list[VariantTiming]:
                 calls_per_batch_blocks=[
                     c for t in parts for c in (t.calls_per_batch_blocks or [t.calls_per_batch])
                 ],
+                first_call_s=sum(t.first_call_s for t in parts),
+                warmup_s=sum(t.warmup_s for t in parts),
             )
         )
     return pooled

@@ -7,12 +7,19 @@ The environment is the user's default (no ``TF_CPP_MIN_LOG_LEVEL``, not verbose,
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
+from collections.abc import Callable
 
 from _quiet import VERBOSE_ENV, startup_noise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Seconds times ``SAFEVARS_TEST_TIMEOUT_SCALE``: ``tests/support/deadlines.py``, run from
+#: its file (the examples' tests are not in the ``tests`` package).
+scaled: Callable[[float], float] = runpy.run_path(
+    os.path.join(HERE, os.pardir, "tests", "support", "deadlines.py")
+)["scaled"]
 ENV = {
     k: v
     for k, v in os.environ.items()
@@ -21,9 +28,15 @@ ENV = {
 
 
 def start(script: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs ``examples/<script>`` with ``args``; returns the finished process."""
+    """Runs ``examples/<script>`` with ``args``; returns the finished process.
+
+    ``timeout``: seconds at scale 1, a bound on a hang (multiplied by
+    ``SAFEVARS_TEST_TIMEOUT_SCALE``).
+    """
     command = [sys.executable, os.path.join(HERE, script), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=scaled(timeout), env=ENV
+    )
 
 
 def run_example(script: str, *args: object, timeout: float = 300) -> str:

@@ -14,7 +14,7 @@ BATCH = 64
 
 def test_async_ps_training_safevars_loses_nothing():
     steps = 45
-    out = run_example("async_ps_training.py", "--workers", "3", "--steps", str(steps), timeout=120)
+    out = run_example("async_ps_training.py", "--workers", "3", "--steps", str(steps), timeout=300)
     rows = {m[0]: [float(x) for x in m[1:]] for m in ROW.findall(out)}
     assert set(rows) == {"plain", "safevars", "safevars max_staleness=0"}, out
     scheduled, iterations, dropped, lost, examples, loss = rows["safevars"]

@@ -6,7 +6,7 @@ import re
 
 from _smoke import run_example
 
-TIMEOUT = 120
+TIMEOUT = 300
 
 CHECKS = [
     "epoch 1 is every element exactly once",

@@ -20,7 +20,7 @@ def test_exactly_once_example_counts_every_step_once():
     # runs here): a process killed by a signal is run once more; any other failure, and
     # every assertion below, counts at once.
     for _attempt in range(2):
-        done = start("exactly_once_ps.py", "--steps", steps, timeout=120)
+        done = start("exactly_once_ps.py", "--steps", steps, timeout=300)
         if done.returncode >= 0:
             break
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 from _quiet import VERBOSE_ENV, is_startup_noise, startup_noise, verbose_requested
+from _smoke import scaled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -106,7 +107,7 @@ def fake_tensorflow(tmp_path):
 
 def run(env, *args):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, *args], capture_output=True, text=True, timeout=scaled(60), env=env
     )
 
 
@@ -150,7 +151,7 @@ def test_benchmark_cli_hides_the_startup_log_and_verbose_shows_it(tmp_path):
             [*command, "--out", str(tmp_path / mode), *extra],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(300),
             cwd=REPO,
             env={**ENV, "PYTHONPATH": REPO},
         )

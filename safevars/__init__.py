@@ -26,7 +26,13 @@ level, inside functions and under ``TYPE_CHECKING``):
 from safevars import exactly_once
 from safevars.accumulator import AccumulatorStatistics, GradientAccumulator
 from safevars.audit import AuditReport, Race, audit
-from safevars.creator_scope import scope
+from safevars.creator_scope import (
+    UnprotectedVariable,
+    is_protected,
+    protect,
+    scope,
+    unprotected_variables,
+)
 from safevars.data import ShardedInput
 from safevars.errors import (
     AccumulatorFullError,
@@ -39,6 +45,7 @@ from safevars.errors import (
     LockTimeoutError,
     NonFiniteGradientError,
     NotCallableError,
+    NotProtectedError,
     RaceDetectedError,
     SafeVarsError,
     ShapeMismatchError,
@@ -52,7 +59,7 @@ from safevars.snapshot import Snapshot, snapshot
 from safevars.transaction import locked, transaction
 from safevars.variable import SafeVariable, wrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulatorFullError",
@@ -70,6 +77,7 @@ __all__ = [
     "LockTimeoutError",
     "NonFiniteGradientError",
     "NotCallableError",
+    "NotProtectedError",
     "OptimizerStatistics",
     "Race",
     "RaceDetectedError",
@@ -82,14 +90,18 @@ __all__ = [
     "ShardedInput",
     "Snapshot",
     "StaleGradientError",
+    "UnprotectedVariable",
     "UnsupportedStrategyError",
     "__version__",
     "audit",
     "exactly_once",
     "held_locks",
+    "is_protected",
     "locked",
+    "protect",
     "scope",
     "snapshot",
     "transaction",
+    "unprotected_variables",
     "wrap",
 ]

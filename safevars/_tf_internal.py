@@ -40,6 +40,8 @@ from tensorflow.python.distribute import values as ds_values
 from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import core as _core
+from tensorflow.python.eager import execute as _execute
+from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops, tensor_conversion_registry
@@ -168,6 +170,7 @@ def autograph_source_map() -> Any:
 
 
 __all__ = [
+    "KERAS_STEP_FUNCTIONS",
     "TESTED_KERAS",
     "TESTED_PYTHON",
     "TESTED_TENSORFLOW",
@@ -202,8 +205,11 @@ __all__ = [
     "gen_stateless_random_ops_v2",
     "in_xla_context",
     "is_loop_body",
+    "keras_clone_model_homes",
     "keras_export_archive",
     "keras_internal",
+    "keras_model_files",
+    "keras_name_scope_callers",
     "lazy_read",
     "mutex_lock",
     "nest",
@@ -367,6 +373,25 @@ def read_value_op(variable):
     return gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
 
 
+def read_variables(handles, dtypes):
+    """The values of several resource variables of one device, read eagerly by one
+    ``_ReadVariablesOp`` (the op TensorFlow's graph optimizer fuses reads into): what one
+    ``ReadVariableOp`` each returns, for the cost of one op. Records nothing on gradient
+    tapes (it has no gradient): for reads no tape is watching."""
+    return _execute.execute(
+        b"_ReadVariablesOp",
+        num_outputs=len(handles),
+        inputs=list(handles),
+        attrs=("N", len(handles), "dtypes", [tf.as_dtype(d).as_datatype_enum for d in dtypes]),
+        ctx=eager_context(),
+    )
+
+
+def recording_gradients() -> bool:
+    """Whether a gradient tape is active (so a read must be one it can differentiate)."""
+    return _record.could_possibly_record()
+
+
 def read_eagerly(variable, handle, dtype):
     """An eager read of a plain resource variable: ``read_value`` without its Python
     overhead and its extra identity op (gradient tapes still see the read)."""
@@ -425,6 +450,52 @@ def keras_export_archive() -> type:
     return module.SavedModelExportArchive
 
 
+def keras_name_scope_callers() -> list[Any]:
+    """The objects (layers, optimizers, metrics, seed generators) whose Keras name scopes
+    are open in this thread, outermost first.
+
+    Keras keeps them in a per-thread global attribute, ``name_scope_stack``, of
+    ``keras.src.backend.common.global_state``; every variable Keras creates for a layer
+    (``add_weight``, ``build``), an optimizer (``add_variable``) or a metric is made with
+    its owner's scope open (``backend.name_scope(name, caller=owner)``), in Keras 3.12 to
+    3.15.
+    """
+    global_state = keras_internal("backend.common.global_state")
+    stack = global_state.get_global_attribute("name_scope_stack")
+    return [getattr(scope, "caller", None) for scope in stack or ()]
+
+
+KERAS_STEP_FUNCTIONS = frozenset(
+    {
+        "one_step_on_data",
+        "one_step_on_data_distributed",
+        "multi_step_on_iterator",
+        "multi_step_on_data",
+        "one_step_on_iterator",
+    }
+)
+"""The names of the ``tf.function`` s Keras' TensorFlow trainer traces for ``fit``,
+``evaluate`` and ``predict`` (their graphs' names; Keras 3.12 to 3.15)."""
+
+
+def keras_model_files() -> ModuleType:
+    """Keras' ``saving_lib``: ``_serialize_model_as_json`` (the config and metadata of a
+    ``.keras`` file, also of a pickled or deep-copied model), ``_load_model_from_fileobj``
+    (a ``.keras`` zip, a pickle, a deep copy) and ``_load_model_from_dir``, each looked up
+    as a module global when called (Keras 3.12 to 3.15)."""
+    return keras_internal("saving.saving_lib")
+
+
+def keras_clone_model_homes() -> list[ModuleType]:
+    """The modules that bind ``clone_model`` to Keras' function: its own
+    (``keras.src.models.cloning``), ``keras.src.models`` and the public ``keras.models``
+    (each import binds the function object, so each binding is replaced)."""
+    import keras
+
+    homes = [keras_internal("models.cloning"), keras_internal("models"), keras.models]
+    return [home for home in homes if hasattr(home, "clone_model")]
+
+
 def checkpoint_entry_points(checkpoint_objects, keras_objects):
     """(owner, attribute, objects-finder) for every saver safevars makes take locks.
 
@@ -440,6 +511,8 @@ def checkpoint_entry_points(checkpoint_objects, keras_objects):
         (checkpoint.TrackableSaver, "save", checkpoint_objects),
         (checkpoint.TrackableSaver, "restore", checkpoint_objects),
         (saving_lib, "save_model", keras_objects),
+        # What pickle.dumps(model) and copy.deepcopy(model) save (Keras' __reduce__).
+        (saving_lib, "_save_model_to_fileobj", keras_objects),
         (saving_lib, "save_weights_only", keras_objects),
         (saving_lib, "load_weights_only", keras_objects),
     ]

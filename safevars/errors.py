@@ -37,6 +37,7 @@ __all__ = [
     "LockTimeoutError",
     "NonFiniteGradientError",
     "NotCallableError",
+    "NotProtectedError",
     "RaceDetectedError",
     "SafeVarsError",
     "ShapeMismatchError",
@@ -145,6 +146,18 @@ class IndexOutOfRangeError(InvalidArgumentError, IndexError):
 
     Plain TensorFlow raises ``tf.errors.InvalidArgumentError`` for the same mistake, after
     writing the rows that came before the bad index; safevars writes nothing.
+    """
+
+
+class NotProtectedError(SafeVarsError, ValueError):
+    """A Keras model, layer or optimizer passed to ``safevars.snapshot``,
+    ``safevars.locked`` or ``safevars.transaction`` has variables that are not protected.
+
+    Their writes (Keras' optimizer steps, ``set_weights``) take no safevars lock and
+    count no version, so a snapshot or a section over them guarantees nothing. The
+    message names each such variable and where it was created. Fix:
+    ``safevars.protect(model)`` (or build the model inside ``safevars.scope()``). A
+    ``ValueError``: the argument is the mistake.
     """
 
 

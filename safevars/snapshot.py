@@ -17,7 +17,7 @@ import tensorflow as tf
 from safevars.errors import InvalidArgumentError
 from safevars.locking import check_timeout, guards_of
 from safevars.variable import SafeVariable, as_safe_variables
-from safevars.variable.snapshots import Snapshot, take_snapshots
+from safevars.variable.snapshots import Snapshot, scope_weights, take_snapshots
 
 __all__ = ["Snapshot", "snapshot"]
 
@@ -62,6 +62,9 @@ def snapshot(structure: Any, timeout: float | None = None) -> Any:
     if type(structure) is list and structure:  # The common case, without tf.nest.
         if all(type(v) is SafeVariable for v in structure):
             return take_snapshots(structure, timeout, guards_of(structure, "structure"))
+    weights = scope_weights(structure)  # A model built in safevars.scope(), without tf.nest.
+    if weights is not None:
+        return take_snapshots(weights, timeout, guards_of(weights, "structure"))
     if isinstance(structure, (list, tuple, dict)) and not structure:
         raise InvalidArgumentError(
             "snapshot(structure) needs at least one variable, got an empty structure."

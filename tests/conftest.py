@@ -7,18 +7,29 @@
 * ``pytest-timeout`` must be active (the ``timeout`` in ``pyproject.toml`` is its option):
   without it a hang that a thread join does not catch blocks the run forever. A run without
   the plugin fails at start-up when ``CI`` is set to true, and otherwise warns in the
-  header, as a warning and again in the summary.
+  header, as a warning and again in the summary. Its per-test limit is multiplied by
+  ``SAFEVARS_TEST_TIMEOUT_SCALE`` (``tests/support/deadlines.py``), as every deadline of
+  the tests is.
+* The run is spread over worker processes by pytest-xdist (in the ``test`` extra): as
+  many as the machine has CPUs, ``--dist loadfile``, so each test file runs whole in one
+  worker, in order, as it does without xdist: a module-scoped fixture (a subprocess
+  cluster, the quick benchmark run, the documentation blocks) runs once. Set here
+  rather than in ``addopts``, so that ``-p no:xdist`` (and a run without the plugin)
+  still works; ``-n 0`` runs in one process, ``-n N`` in N.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+from tests.support.deadlines import scaled  # noqa: E402
 
 NUM_LOGICAL_CPUS = 2
 
@@ -84,9 +95,12 @@ def _on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-timeout's own, whose limit it scales
 def pytest_configure(config: pytest.Config) -> None:
-    """Fails the run on CI, and warns elsewhere, when pytest-timeout is not active."""
+    """Fails the run on CI, and warns elsewhere, when pytest-timeout is not active;
+    scales its per-test limit otherwise."""
     if not _timeout_plugin_missing(config):
+        _scale_the_per_test_timeout(config)
         return
     if _on_ci():
         raise pytest.UsageError(f"CI is set: refusing to run. {_NO_TIMEOUT_MESSAGE}")
@@ -105,7 +119,84 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
-    """Repeats it at the end, where it is seen after a long run."""
+    """Repeats it at the end, where it is seen after a long run; under pytest-xdist, prints
+    the documentation blocks' timings a worker handed back."""
+    if _FROM_WORKERS:
+        from tests.docs.conftest import summarize
+
+        summarize(terminalreporter, _FROM_WORKERS["timings"], _FROM_WORKERS["run"])
     if _timeout_plugin_missing(config):
         terminalreporter.write_sep("!", "pytest-timeout is not active", red=True, bold=True)
         terminalreporter.write_line(f"WARNING: {_NO_TIMEOUT_MESSAGE}", red=True, bold=True)
+
+
+def _scale_the_per_test_timeout(config: pytest.Config) -> None:
+    """pytest-timeout's limit (``timeout`` in ``pyproject.toml``, ``PYTEST_TIMEOUT`` or
+    ``--timeout``, as the plugin resolved it; 0 is off) times the documented factor."""
+    base = getattr(config, "_env_timeout", None)
+    if base:
+        config._env_timeout = scaled(base)
+
+
+# ---------------------------------------------------------------------- pytest-xdist
+
+#: Worker processes when the command line says nothing: one per CPU.
+WORKERS = "auto"
+#: Whole files to a worker. (Not ``loadgroup`` with ``xdist_group`` marks: with pytest
+#: 9.2 and pytest-xdist 3.8 the marks are silently ignored, pytest-xdist issue 1386.)
+DIST = "loadfile"
+
+
+#: The files that take longest, handed out first when the run is parallel: a file is one
+#: unit of work, and a long one started last would end the run alone. Order only (no test
+#: depends on it); from a run's ``--durations``, longest first.
+LONG_FILES = (
+    "tests/test_exactly_once.py",
+    "tests/benchmarks/test_quick_suite.py",
+    "tests/conformance/test_keras_models.py",
+    "tests/accumulator/test_distributed.py",
+    "tests/data/test_distributed.py",
+    "tests/docs/test_code_blocks.py",
+    "tests/optimizer/test_distributed.py",
+    "tests/locking/test_checkpoints.py",
+    "tests/accumulator/test_xla.py",
+    "tests/rng/test_distributed.py",
+    "tests/scope/test_distributed.py",
+    "tests/scope/test_scope.py",
+    "tests/accumulator/test_determinism.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, puts :data:`LONG_FILES` first (every worker collects the
+    same order, as pytest-xdist requires); a run in one process keeps the usual order."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {path: index for index, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the options
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Runs the suite in parallel (``-n auto --dist loadfile``) unless the command line
+    says otherwise (``-n``, ``--dist``, ``-p no:xdist``) or this is a worker already."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    option = config.option
+    if (
+        option.numprocesses is None
+        and getattr(option, "dist", "no") == "no"
+        and not getattr(option, "tx", None)
+    ):
+        option.numprocesses = WORKERS
+        option.dist = DIST
+
+
+#: What workers handed back for the summary (``tests/docs/conftest.py``'s figures).
+_FROM_WORKERS: dict[str, Any] = {}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, absent without the plugin
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """In the controller: the figures a worker's tests left in its output."""
+    _FROM_WORKERS.update(getattr(node, "workeroutput", {}).get("safevars_doc_blocks", {}))

@@ -17,7 +17,7 @@ from safevars import exactly_once, locking, sections
 from tests.distributed.cluster_harness import run_together, script
 
 SEED, STEPS, RUNS, CANCEL_STEPS = 5, 100, 2, 40
-TIMEOUT = 240.0  # Seconds for the cluster run; a bound on a hang, not a timing check.
+TIMEOUT = 480.0  # Seconds for the cluster run; a bound on a hang, not a timing check.
 VARIABLES = ("counter", "a", "b", "w")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tests.distributed.cluster_harness import run_together, script
 
-CLUSTER_TIMEOUT = 60.0
+CLUSTER_TIMEOUT = 300.0
 
 
 def test_a_port_taken_before_its_server_binds_it_is_replaced():

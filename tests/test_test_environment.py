@@ -25,7 +25,9 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
+import safevars
 from tests.support import threading_harness
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import call_bounded, join_all, run_threads
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -109,6 +111,16 @@ class _Recorded(threading.Thread):
         super().join(timeout)
 
 
+class _RecordedEvent(threading.Event):
+    """An event that records the timeout of every ``wait``."""
+
+    timeouts: list[float | None]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        type(self).timeouts.append(timeout)
+        return super().wait(timeout)
+
+
 @pytest.fixture
 def stuck():
     """An event that stuck workers wait on; set at teardown so they all end."""
@@ -123,17 +135,22 @@ def test_stuck_threads_fail_together_after_one_deadline(monkeypatch, stuck):
     _Recorded.timeouts = []
     monkeypatch.setattr(threading_harness, "JOIN_TIMEOUT", budget)
     # Only the harness's own threads are recorded (threading.Thread itself is untouched).
+    _RecordedEvent.timeouts = []
     monkeypatch.setattr(
         threading_harness,
         "threading",
-        types.SimpleNamespace(Thread=_Recorded, Barrier=threading.Barrier),
+        types.SimpleNamespace(
+            Thread=_Recorded, Barrier=threading.Barrier, Event=_RecordedEvent, Lock=threading.Lock
+        ),
     )
     with pytest.raises(AssertionError, match="deadlock") as failure:
         run_threads(6, lambda i: stuck.wait())
     assert len(_Recorded.timeouts) == 6
-    # One budget shared: the first join may take it all, the others get what is left.
-    assert all(t is not None and 0.0 <= t <= budget for t in _Recorded.timeouts)
-    assert sum(_Recorded.timeouts) <= budget
+    # One budget shared by every wait of the call: the wait for the workers may take it
+    # all, each join gets what is left.
+    waits = _Recorded.timeouts + _RecordedEvent.timeouts
+    assert all(t is not None and 0.0 <= t <= budget for t in waits)
+    assert sum(waits) <= budget
     assert str(failure.value).count("Thread-") == 6  # every stuck thread is named
 
 
@@ -156,9 +173,70 @@ def test_run_threads_reraises_a_worker_error():
         run_threads(4, work)
 
 
+# A worker's own error, while the others wait for it for good. Run inside call_bounded
+# with a bound far below JOIN_TIMEOUT (raised for the test, so a harness that waits for
+# the others cannot pass): the error must come out at once, not as "still running".
+PROMPTLY = 60.0  # seconds (scaled): a bound on a hang, far above the milliseconds it takes
+
+
+@pytest.fixture
+def long_join_timeout(monkeypatch):
+    monkeypatch.setattr(threading_harness, "JOIN_TIMEOUT", 10 * scaled(PROMPTLY))
+
+
+def test_a_worker_error_is_raised_while_the_others_wait_on_a_barrier_for_it(
+    long_join_timeout,
+):
+    """Rounds on a barrier: worker 0 fails in round 1 (a LockOrderError, taking locks out
+    of the global order); the others wait at the round's barrier for a worker that never
+    comes. The test sees the LockOrderError, not a deadlock report."""
+    first, second = safevars.SafeVariable(0.0), safevars.SafeVariable(0.0)
+    rounds = threading.Barrier(4)
+
+    def work(i):
+        for r in range(3):
+            if i == 0 and r == 1:
+                with safevars.locked(second):
+                    first.assign(1.0)  # out of order: LockOrderError
+            second.update(lambda x: x + 1.0)
+            rounds.wait()  # no timeout: the harness must not wait for this
+
+    try:
+        with pytest.raises(safevars.LockOrderError, match="global lock order") as failure:
+            call_bounded(lambda: run_threads(4, work), timeout=PROMPTLY)
+    finally:
+        rounds.abort()  # lets the three waiting workers end
+    if sys.version_info >= (3, 11):  # the note names the workers still running
+        (note,) = failure.value.__notes__
+        assert note.startswith("run_threads: raised by a worker; still running then:"), note
+        assert note.count("Thread-") == 3, note
+
+
+def test_a_worker_error_is_raised_while_the_others_wait_on_a_lock_it_left_held(
+    long_join_timeout,
+):
+    held = threading.Lock()
+    taken = threading.Event()
+
+    def work(i):
+        if i == 0:
+            held.acquire()  # and never released: the worker fails holding it
+            taken.set()
+            raise KeyError("worker 0 failed holding the lock")
+        taken.wait()
+        with held:
+            pass
+
+    try:
+        with pytest.raises(KeyError, match="holding the lock"):
+            call_bounded(lambda: run_threads(3, work), timeout=PROMPTLY)
+    finally:
+        held.release()  # lets the two waiting workers end
+
+
 def test_call_bounded_returns_reraises_and_fails_when_stuck(stuck):
     assert call_bounded(lambda: 41 + 1) == 42
     with pytest.raises(KeyError, match="inside"):
         call_bounded(lambda: {}["inside"])
-    with pytest.raises(AssertionError, match="still running after 0.1s"):
+    with pytest.raises(AssertionError, match=f"still running after {scaled(0.1)}s"):
         call_bounded(stuck.wait, timeout=0.1)

@@ -9,7 +9,8 @@ them as ``active._ACTIVE`` / ``active._SESSION`` at the moment it needs them (a
 
 from __future__ import annotations
 
-from safevars.audit.happens_before import _DETECT_LOCK, _Access, _Detector, _Session
+from safevars.audit.clocks import _Session
+from safevars.audit.happens_before import _DETECT_LOCK, _Access, _Detector
 
 __all__ = ["_DETECT_LOCK"]  # Guards every detector, _ACTIVE and the function summaries.
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from safevars._validation import check_bool
 from safevars.audit.happens_before import _Detector
@@ -59,10 +60,14 @@ def audit(
 
 
 @contextlib.contextmanager
-def _audit(raise_on_race: bool, predictive: bool) -> Iterator[AuditReport]:
+def _audit(
+    raise_on_race: bool, predictive: bool, roots: Iterable[Any] = ()
+) -> Iterator[AuditReport]:
+    """The audit; ``roots`` are further objects where locks made before it are looked
+    for (the pytest plugin passes a test's arguments)."""
     detector = _Detector(predictive)
     report = AuditReport(detector)
-    _activate(detector)
+    _activate(detector, roots)
     try:
         yield report
     finally:

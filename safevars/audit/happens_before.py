@@ -1,12 +1,12 @@
-"""The happens-before analysis: vector clocks, lock sets and the race detector.
+"""The happens-before analysis: accesses, lock sets and the race detector.
 
-Per thread, a vector clock advanced by program order, ``Thread.start`` and a finished
-``Thread.join`` (:class:`_Session`); per access, the locks and section instances that
-protect it (:func:`_eager_protection`, and the traced sections of ``tf_function.py``);
-per audit, a :class:`_Detector` that pairs each thread's read-modify-write windows and
-blind writes with the unordered writes of other threads and records the races, observed
-or predicted. The detection rule is stated in the package docstring
-(``safevars/audit/__init__.py``).
+Per access, its thread's clock and run (``clocks.py``) and the locks and section
+instances that protect it (:func:`_eager_protection`, and the traced sections of
+``tf_function.py``). Per audit, a :class:`_Detector` that pairs each thread's
+read-modify-write windows and blind writes with the unordered writes of other threads,
+and each thread's reads of several variables (a *view*) with the updates other threads
+make of them, and records the races, observed or predicted. The detection rules are
+stated in the package docstring (``safevars/audit/__init__.py``).
 """
 
 from __future__ import annotations
@@ -15,107 +15,34 @@ import collections
 import dataclasses
 import itertools
 import threading
-import weakref
 from typing import Any
 
 from safevars import locking
-from safevars.audit.report import CONCURRENT_WRITE, LOST_UPDATE, OBSERVED, PREDICTED, Race
+from safevars.audit.clocks import Clock, _Run, _ThreadState
+from safevars.audit.report import (
+    CONCURRENT_WRITE,
+    LOST_UPDATE,
+    OBSERVED,
+    PREDICTED,
+    TORN_READ,
+    Race,
+    fix_for,
+)
 
 _READ = 0
 _WRITE = 1
-_VALIDATED_WRITE = 2  # A write that checked, under the lock, that no write intervened.
+# A write that is not based on an earlier read of the variable: ``compare_and_assign``
+# checked, under the lock, that no write intervened; Keras' metric resets and
+# ``set_weights`` write values that do not come from a read.
+_VALIDATED_WRITE = 2
 
 _EMPTY: frozenset[Any] = frozenset()
 _SEQ = itertools.count(1)  # next() on itertools.count is atomic under the GIL.
 _SECTION_IDS = itertools.count(1)
+_UNIT_IDS = itertools.count(1)  # one per snapshot call: its reads are one consistent unit
 
 # Guards every detector, ``active._ACTIVE`` and the traced-function summaries.
 _DETECT_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------------- threads, clocks
-
-
-class _ThreadState:
-    """Per-thread audit state: a vector clock and the critical sections being executed."""
-
-    __slots__ = ("tid", "name", "vc", "sections", "write_depth", "__weakref__")
-
-    def __init__(self, tid: int, name: str, inherited: dict[int, int]) -> None:
-        self.tid = tid
-        self.name = name
-        # Vector clocks are never mutated in place: a new dict replaces the old one, so
-        # an access can keep a reference to the clock it was made at.
-        self.vc: dict[int, int] = {**inherited, tid: 1}
-        # (lock key, section instance, graph or None) for every CriticalSection.execute
-        # this thread is inside, eager (graph None) or being traced.
-        self.sections: list[tuple[int, int, Any]] = []
-        self.write_depth = 0
-
-
-class _Session:
-    """Happens-before state shared by every audit active at the same time."""
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.ids = itertools.count(1)
-        self.forks: weakref.WeakKeyDictionary[threading.Thread, dict[int, int]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.states: weakref.WeakKeyDictionary[threading.Thread, _ThreadState] = (
-            weakref.WeakKeyDictionary()
-        )
-        # id(handle) -> (handle, name) of every variable seen. Variables are keyed by the
-        # id of their resource handle (shared by ``_UnreadVariable`` results and by the
-        # arguments a traced function receives); holding the handle keeps the id unique
-        # for the whole session.
-        self.handles: dict[int, tuple[Any, str | None]] = {}
-        self.names: set[str] = set()
-        self.names_lock = threading.Lock()
-
-    def register(self, handle: Any, name: str | None) -> None:
-        known = self.handles.get(id(handle))
-        if known is None or (name and not known[1]):
-            self.handles[id(handle)] = (handle, name)
-
-    def name_of(self, key: int) -> str | None:
-        known = self.handles.get(key)
-        return known[1] if known else None
-
-    def state(self) -> _ThreadState:
-        try:
-            return self.local.state
-        except AttributeError:
-            pass
-        thread = threading.current_thread()
-        inherited = self.forks.pop(thread, None) or {}
-        tid = next(self.ids)
-        name = thread.name
-        with self.names_lock:
-            if name in self.names:  # Two threads with one name: keep them apart.
-                name = f"{name} #{tid}"
-            self.names.add(name)
-        state = _ThreadState(tid, name, inherited)
-        self.local.state = state
-        self.states[thread] = state
-        return state
-
-    def fork(self, child: threading.Thread) -> None:
-        parent = self.state()
-        self.forks[child] = parent.vc
-        parent.vc = {**parent.vc, parent.tid: parent.vc[parent.tid] + 1}
-
-    def joined(self, child: threading.Thread) -> None:
-        finished = self.states.get(child)
-        if finished is None:
-            return
-        me = self.state()
-        merged = dict(me.vc)
-        for tid, clock in finished.vc.items():
-            if merged.get(tid, 0) < clock:
-                merged[tid] = clock
-        me.vc = merged
-
 
 # ---------------------------------------------------------------------- accesses
 
@@ -131,13 +58,16 @@ class _Access:
     tid: int
     tname: str
     clock: int
-    vc: dict[int, int]
+    vc: Clock
     begin: int
     end: int
     locks: frozenset[Any]
     sections: frozenset[Any]
     family: str | None
     context: str
+    run: _Run
+    unit: Any  # reads of one snapshot call share it; None: the read is its own unit
+    api: str | None  # the Keras call the access came from (``"train_on_batch"``)
 
     @classmethod
     def record(
@@ -146,34 +76,39 @@ class _Access:
         var: Any,
         name: str | None,
         site: str,
-        state: _ThreadState,
+        run: _Run,
         begin: int,
         end: int,
         locks: frozenset[Any],
         sections: frozenset[Any],
         family: str | None,
         context_name: str,
+        unit: Any = None,
+        api: str | None = None,
     ) -> _Access:
-        """The access ``state``'s thread makes now (its clock and vector clock)."""
+        """The access the thread of ``run`` makes now (the run's clocks)."""
         return cls(
             kind,
             var,
             name,
             site,
-            state.tid,
-            state.name,
-            state.vc[state.tid],
-            state.vc,
+            run.tid,
+            run.tname,
+            run.clock,
+            run.vc,
             begin,
             end,
             locks,
             sections,
             family,
             context_name,
+            run,
+            unit,
+            api,
         )
 
 
-def _happens_before(access: _Access, vc: dict[int, int]) -> bool:
+def _happens_before(access: _Access, vc: Clock) -> bool:
     """Whether ``access`` happens before the point of a thread whose clock is ``vc``."""
     return access.clock <= vc.get(access.tid, 0)
 
@@ -195,6 +130,10 @@ def _eager_protection(state: _ThreadState) -> tuple[frozenset[Any], frozenset[An
     return frozenset(locks), frozenset(instances)
 
 
+def _lock_keys(instances: frozenset[Any]) -> set[Any]:
+    return {s[0] for s in instances}
+
+
 # ---------------------------------------------------------------------- the detector
 
 
@@ -208,8 +147,45 @@ class _Window:
         self.protect = frozenset(s[0] for s in read.sections & write.sections)
 
 
+class _ReadMark:
+    """A run's reads of one variable: the snapshot calls that read it (the latest few),
+    the section instances common to all its reads, the first read and the last end."""
+
+    __slots__ = ("snapshots", "sections", "first", "end")
+
+    def __init__(self, access: _Access) -> None:
+        self.snapshots: list[Any] = [] if access.unit is None else [access.unit]
+        self.sections = access.sections
+        self.first = access
+        self.end = access.end
+
+
+_SNAPSHOTS_KEPT = 8
+
+
+class _Update:
+    """A run's writes made under the same section instances: one update (the latest
+    write of each variable)."""
+
+    __slots__ = ("writes", "cover")
+
+    def __init__(self, cover: frozenset[Any]) -> None:
+        self.writes: dict[Any, _Access] = {}
+        self.cover = _lock_keys(cover)
+
+
+class _RunView:
+    """What one audit saw of one run."""
+
+    __slots__ = ("reads", "updates")
+
+    def __init__(self) -> None:
+        self.reads: dict[Any, _ReadMark] = {}
+        self.updates: dict[frozenset[Any], _Update] = {}
+
+
 class _VarState:
-    __slots__ = ("name", "pending", "writes", "windows", "blind")
+    __slots__ = ("name", "pending", "writes", "windows", "blind", "read_runs", "write_runs")
 
     def __init__(self) -> None:
         self.name = "variable"
@@ -217,42 +193,56 @@ class _VarState:
         self.writes: dict[tuple[Any, ...], _Access] = {}
         self.windows: dict[tuple[Any, ...], _Window] = {}
         self.blind: dict[tuple[Any, ...], _Access] = {}
+        # The latest run of each thread that read (wrote) the variable.
+        self.read_runs: dict[int, _Run] = {}
+        self.write_runs: dict[int, _Run] = {}
 
 
 class _Finding:
     __slots__ = (
         "kind",
-        "variable",
-        "read_site",
+        "variables",
+        "read_sites",
         "write_sites",
         "threads",
         "observed",
         "count",
         "contexts",
+        "calls",
     )
 
     def __init__(
-        self, kind: str, variable: str, read_site: str | None, write_sites: tuple[str, ...]
+        self,
+        kind: str,
+        variables: tuple[str, ...],
+        read_sites: tuple[str, ...],
+        write_sites: tuple[str, ...],
     ) -> None:
         self.kind = kind
-        self.variable = variable
-        self.read_site = read_site
+        self.variables = variables
+        self.read_sites = read_sites
         self.write_sites = write_sites
         self.threads: set[str] = set()
         self.observed = False
         self.count = 0
         self.contexts: set[str] = set()
+        self.calls: set[str] = set()
 
     def frozen(self) -> Race:
+        calls = tuple(sorted(self.calls))
         return Race(
             kind=self.kind,
-            variable=self.variable,
+            variable=self.variables[0],
             threads=tuple(sorted(self.threads)),
-            read_site=self.read_site,
+            read_site=self.read_sites[0] if self.kind == LOST_UPDATE else None,
             write_sites=self.write_sites,
             evidence=OBSERVED if self.observed else PREDICTED,
             count=self.count,
             contexts=tuple(sorted(self.contexts)),
+            variables=self.variables,
+            read_sites=self.read_sites,
+            calls=calls,
+            fix=fix_for(self.kind, self.variables, calls),
         )
 
 
@@ -280,14 +270,44 @@ class _Detector:
             var.name = access.name
         self.threads.add(access.tname)
         tid = access.tid
+        run = access.run
+        view = run.views.get(self)
+        if view is None:
+            view = run.views[self] = _RunView()
         if access.kind == _READ:
             self.reads += 1
             var.pending[tid] = access
+            mark = view.reads.get(access.var)
+            if mark is None:
+                view.reads[access.var] = _ReadMark(access)
+            else:  # what a _ReadMark adds, inline: this runs at every read
+                if access.unit is not None and access.unit not in mark.snapshots:
+                    mark.snapshots.append(access.unit)
+                    del mark.snapshots[:-_SNAPSHOTS_KEPT]
+                if mark.sections:
+                    mark.sections = mark.sections & access.sections
+                mark.end = access.end
+            var.read_runs[tid] = run
+            if len(view.reads) > 1:
+                self._torn_after_read(var, access, run, view)
             return
         self.writes += 1
+        self._lost_or_concurrent(var, access)
+        update = view.updates.get(access.sections)
+        if update is None:
+            update = view.updates[access.sections] = _Update(access.sections)
+        update.writes[access.var] = access
+        var.write_runs[tid] = run
+        if len(update.writes) > 1:
+            self._torn_after_write(var, access, run, update)
+
+    # -- lost updates and concurrent writes
+
+    def _lost_or_concurrent(self, var: _VarState, access: _Access) -> None:
+        tid = access.tid
         read = var.pending.pop(tid, None)
         if access.kind == _VALIDATED_WRITE:
-            read = None  # compare_and_assign: never based on a stale read.
+            read = None  # never based on a stale read
         if read is not None:
             window = _Window(read, access)
             for other in var.writes.values():  # earlier writes of other threads
@@ -303,10 +323,14 @@ class _Detector:
                     and not (access.family and other.family == access.family)
                 ):
                     self._record(
-                        access.var,
-                        var,
+                        (
+                            access.api or other.api or access.var,
+                            CONCURRENT_WRITE,
+                            tuple(sorted((other.site, access.site))),
+                        ),
                         CONCURRENT_WRITE,
-                        None,
+                        (var.name,),
+                        (),
                         tuple(sorted((other.site, access.site))),
                         (other, access),
                         other.end > access.begin,
@@ -323,38 +347,109 @@ class _Detector:
         if other.family and window.write.family == other.family:
             return  # Commutative updates: neither effect can be lost.
         observed = other.begin < window.write.end and other.end > window.read.begin
+        write_sites = (window.write.site, other.site)
+        # The variables of one Keras call (a model's weights, an optimizer's slots) race
+        # at the same lines: one finding lists them all.
         self._record(
-            key,
-            var,
+            (window.write.api or other.api or key, LOST_UPDATE, window.read.site, write_sites),
             LOST_UPDATE,
-            window.read.site,
-            (window.write.site, other.site),
+            (var.name,),
+            (window.read.site,),
+            write_sites,
             (window.read, window.write, other),
             observed,
         )
 
+    # -- torn reads
+
+    def _torn_after_read(self, var: _VarState, access: _Access, run: _Run, view: _RunView) -> None:
+        for wtid, wrun in var.write_runs.items():
+            if wtid == access.tid:
+                continue
+            wview = wrun.views.get(self)
+            if wview is None:
+                continue
+            for update in wview.updates.values():
+                if access.var in update.writes and len(update.writes) > 1:
+                    self._torn(run, view, wrun, update)
+
+    def _torn_after_write(
+        self, var: _VarState, access: _Access, run: _Run, update: _Update
+    ) -> None:
+        for rtid, rrun in var.read_runs.items():
+            if rtid == access.tid:
+                continue
+            rview = rrun.views.get(self)
+            if rview is not None and len(rview.reads) > 1:
+                self._torn(rrun, rview, run, update)
+
+    def _torn(self, rrun: _Run, rview: _RunView, wrun: _Run, update: _Update) -> None:
+        """Whether a view (reads of ``rrun``) can fall in the middle of an update."""
+        reads = rview.reads
+        shared = [v for v in update.writes if v in reads]
+        if len(shared) < 2:
+            return
+        common = set(reads[shared[0]].snapshots)
+        for v in shared[1:]:
+            if not common:
+                break
+            common.intersection_update(reads[v].snapshots)
+        if common:
+            return  # One snapshot read them all: at one instant.
+        if wrun.clock <= rrun.vc.get(wrun.tid, 0) or rrun.clock <= wrun.vc.get(rrun.tid, 0):
+            return  # The whole update happened before the reads, or after them.
+        cover = reads[shared[0]].sections
+        for v in shared[1:]:
+            cover = cover & reads[v].sections
+        if update.cover & _lock_keys(cover):
+            return  # One lock held across the reads and across the update.
+        marks = [reads[v] for v in shared]
+        writes = [update.writes[v] for v in shared]
+        first = min(m.first.begin for m in marks)
+        last = max(m.end for m in marks)
+        observed = any(w.begin < last and w.end > first for w in writes)
+        names = tuple(sorted(self.vars[v].name for v in shared))
+        read_sites = tuple(sorted({m.first.site for m in marks}))
+        write_sites = tuple(sorted({w.site for w in writes}))
+        # Views of Keras calls (every weight read at the line of the call) are one
+        # finding per pair of lines, listing every variable.
+        apis = frozenset(a.api for a in (*(m.first for m in marks), *writes) if a.api)
+        self._record(
+            (TORN_READ, apis or frozenset(shared), read_sites, write_sites),
+            TORN_READ,
+            names,
+            read_sites,
+            write_sites,
+            (*(m.first for m in marks), *writes),
+            observed,
+        )
+
+    # -- findings
+
     def _record(
         self,
-        key: Any,
-        var: _VarState,
+        fkey: tuple[Any, ...],
         kind: str,
-        read_site: str | None,
+        variables: tuple[str, ...],
+        read_sites: tuple[str, ...],
         write_sites: tuple[str, ...],
         accesses: tuple[_Access, ...],
         observed: bool,
     ) -> None:
         if not observed and not self.predictive:
             return
-        fkey = (key, kind, read_site, write_sites)
         finding = self.findings.get(fkey)
         if finding is None:
-            finding = self.findings[fkey] = _Finding(kind, var.name, read_site, write_sites)
-        finding.variable = var.name
+            finding = self.findings[fkey] = _Finding(kind, variables, read_sites, write_sites)
+        if finding.variables != variables:
+            finding.variables = tuple(sorted({*finding.variables, *variables}))
         finding.count += 1
         finding.observed = finding.observed or observed
         for access in accesses:
             finding.threads.add(access.tname)
             finding.contexts.add(access.context)
+            if access.api:
+                finding.calls.add(access.api)
 
     def races(self) -> list[Race]:
         """The findings so far, frozen (``AuditReport.races``)."""

@@ -1,21 +1,26 @@
 """What an audit patches, installed by the first active audit and removed by the last.
 
 Nothing is patched while no audit is active. ``_activate`` starts an audit (a new
-session and the patches if it is the first), ``_deactivate`` ends it (the original
-functions back if it was the last), also when installing fails half way.
+session, the patches and the adoption of the locks made before it if it is the first),
+``_deactivate`` ends it (the references swapped back and the original functions back if
+it was the last), also when installing fails half way.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from safevars import locking
 from safevars._tf_internal import concrete_function, critical_section_ops, resource_variable_ops
-from safevars.audit import active
+from safevars.audit import active, sync
 from safevars.audit.active import _DETECT_LOCK
-from safevars.audit.happens_before import _Detector, _Session
+from safevars.audit.adopting import _start_wrapper, _work_item_init, adopt_existing, restore
+from safevars.audit.clocks import _Session
+from safevars.audit.happens_before import _Detector
 from safevars.audit.recording import (
     _READ_METHODS,
     _WRITE_METHODS,
@@ -23,11 +28,12 @@ from safevars.audit.recording import (
     _join_wrapper,
     _read_wrapper,
     _section_wrapper,
-    _start_wrapper,
+    _snapshot_wrapper,
     _writer,
 )
 from safevars.audit.tf_function import _call_wrapper, _to_tensors_wrapper
 from safevars.sections import section
+from safevars.variable import snapshots as variable_snapshots
 from safevars.variable import writes as variable_writes
 
 
@@ -45,10 +51,21 @@ def _variable_classes() -> list[type]:
     return found
 
 
+_TARGETS: list[Any] = [None, []]  # the variable classes, and the targets made for them
+
+
 def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
-    """(owner, attribute, wrapper factory) for everything an audit patches."""
+    """(owner, attribute, wrapper factory) for everything an audit patches (the same
+    list again while no variable class was added)."""
+    classes = _variable_classes()
+    if _TARGETS[0] != classes:
+        _TARGETS[:] = [classes, _make_targets(classes)]
+    return list(_TARGETS[1])
+
+
+def _make_targets(classes: list[type]) -> list[tuple[Any, str, Callable[[Any], Any]]]:
     targets: list[tuple[Any, str, Callable[[Any], Any]]] = []
-    for cls in _variable_classes():
+    for cls in classes:
         if cls is locking._VersionVariable:
             continue
         for method in _READ_METHODS:
@@ -64,9 +81,20 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (resource_variable_ops.VariableSpec, "to_tensors", _to_tensors_wrapper),
         (threading.Thread, "start", _start_wrapper),
         (threading.Thread, "join", _join_wrapper),
+        (sync.futures_thread._WorkItem, "__init__", _work_item_init),
+        # A snapshot's reads are one unit; its function is imported by name in three
+        # modules (the one that defines it, SafeVariable's, safevars.snapshot's).
+        (variable_snapshots, "take_snapshots", _snapshot_wrapper),
+        (
+            importlib.import_module("safevars.variable.safe_variable"),
+            "take_snapshots",
+            _snapshot_wrapper,
+        ),
+        (importlib.import_module("safevars.snapshot"), "take_snapshots", _snapshot_wrapper),
     ):
         if name in owner.__dict__:  # A TensorFlow release without it: less to see.
             targets.append((owner, name, factory))
+    targets.extend(sync._patch_targets())
     return targets
 
 
@@ -76,8 +104,11 @@ _ORIGINALS: list[tuple[Any, str, Any]] = []
 _WRAPPERS: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
 
-def _install() -> None:
+def _install() -> dict[int, Any]:
+    """Installs every patch; returns ``id(original)`` -> replacement for those made in
+    a module (``threading.Lock``), which project modules may have imported by name."""
     variable_writes._direct_kernel_writes = False  # SafeVariable writes via the methods.
+    replacements: dict[int, Any] = {}
     for owner, name, factory in _patch_targets():
         original = owner.__dict__[name]
         cached = _WRAPPERS.get((owner, name))
@@ -85,6 +116,9 @@ def _install() -> None:
             cached = _WRAPPERS[(owner, name)] = (original, factory(original))
         _ORIGINALS.append((owner, name, original))
         setattr(owner, name, cached[1])
+        if isinstance(owner, types.ModuleType) and owner.__name__.split(".")[0] != "safevars":
+            replacements[id(original)] = cached[1]
+    return replacements
 
 
 def _uninstall() -> None:
@@ -95,18 +129,25 @@ def _uninstall() -> None:
 
 
 _INSTALL_LOCK = threading.Lock()
+_REPLACEMENTS: dict[int, Any] = {}
 
 
-def _activate(detector: _Detector) -> None:
+def _activate(detector: _Detector, roots: Iterable[Any] = ()) -> None:
     with _INSTALL_LOCK:
-        if not active._ACTIVE:
-            active._SESSION = _Session()
+        first = not active._ACTIVE
+        if first:
+            session = active._SESSION = _Session()
             try:
-                _install()
+                _REPLACEMENTS.clear()
+                _REPLACEMENTS.update(_install())
+                adopt_existing(session, _REPLACEMENTS, roots)
             except BaseException:
+                restore(session)
                 _uninstall()
                 active._SESSION = None
                 raise
+        elif roots and active._SESSION is not None:
+            adopt_existing(active._SESSION, _REPLACEMENTS, roots, everything=False)
         with _DETECT_LOCK:
             active._ACTIVE = (*active._ACTIVE, detector)
 
@@ -117,5 +158,10 @@ def _deactivate(detector: _Detector) -> None:
             detector.closed = True
             active._ACTIVE = tuple(d for d in active._ACTIVE if d is not detector)
         if not active._ACTIVE:
-            _uninstall()
-            active._SESSION = None
+            session = active._SESSION
+            try:
+                if session is not None:
+                    restore(session)
+            finally:
+                _uninstall()
+                active._SESSION = None

@@ -3,9 +3,10 @@
 Wrappers for the read and write methods of TensorFlow's resource variables (eager
 accesses go to the active detectors at once; accesses made while a function is traced
 go to its summary, see ``tf_function.py``), for ``tf.CriticalSection.execute`` and
-safevars' graph sections (the sections an access is made in), and for
-``threading.Thread.start``/``join`` (the happens-before edges). ``patching.py`` installs
-them; ``sites.py`` finds the user line of each access.
+safevars' graph sections (the sections an access is made in), and for safevars'
+snapshots (the reads of one snapshot are one consistent unit). ``patching.py`` installs
+them; ``sites.py`` finds the user line of each access, the Keras call it came from and
+the Keras variable behind it.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from safevars._tf_internal import eager_context_module as context
 from safevars._tf_internal import ops
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK, _deliver
+from safevars.audit.clocks import _Session
 from safevars.audit.happens_before import (
     _READ,
     _SECTION_IDS,
     _SEQ,
+    _UNIT_IDS,
     _VALIDATED_WRITE,
     _WRITE,
     _Access,
     _eager_protection,
-    _Session,
 )
-from safevars.audit.sites import _IGNORE, _VALIDATE, _user_site
+from safevars.audit.sites import _IGNORE, _VALIDATE, _keras_path, _user_site
 from safevars.audit.tf_function import (
     _SUMMARIES,
     _input_position,
@@ -79,35 +81,56 @@ _COMMUTATIVE = {
 }
 
 
-def _variable_key_and_name(variable: Any, session: _Session) -> tuple[int, str | None]:
+def _variable_key_and_name(variable: Any, session: _Session, frame: Any) -> tuple[int, str | None]:
+    """The variable's key and the name reports show: its Keras path if a Keras variable
+    is behind it (looked up in the frames of its first accesses), else its TensorFlow
+    name."""
     handle = variable._handle
-    name = getattr(variable, "_handle_name", None) or None
-    session.register(handle, name)
-    return id(handle), name or session.name_of(id(handle))
+    key = id(handle)
+    known = session.handles.get(key)
+    if known is not None and not known[2]:  # the usual case: nothing left to look up
+        return key, known[1]
+    if session.wants_path(key):
+        name = getattr(variable, "_handle_name", None) or None
+        session.register(handle, name, _keras_path(frame, handle))
+    return key, session.name_of(key)
 
 
-def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> None:
+def _record_access(
+    variable: Any, kind: int, method: str | None, begin: int, frame: Any = None
+) -> None:
     end = next(_SEQ)
     session = active._SESSION
     if session is None or not active._ACTIVE:
         return
-    site, role = _user_site(sys._getframe(2))
+    if frame is None:
+        frame = sys._getframe(2)
+    site, role, api = _user_site(frame)
     if role == _IGNORE:
         return
     if role == _VALIDATE and kind == _WRITE:
         kind = _VALIDATED_WRITE
-    key, name = _variable_key_and_name(variable, session)
+    key, name = _variable_key_and_name(variable, session, frame)
     family = _COMMUTATIVE.get(method) if method else None
     state = session.state()
     if context.executing_eagerly():
         locks, sections = _eager_protection(state)
-        _deliver(
-            [
-                _Access.record(
-                    kind, key, name, site, state, begin, end, locks, sections, family, "eager"
-                )
-            ]
+        access = _Access.record(
+            kind,
+            key,
+            name,
+            site,
+            state.run or state.current_run(),
+            begin,
+            end,
+            locks,
+            sections,
+            family,
+            "eager",
+            state.unit,
+            api,
         )
+        _deliver([access])
         return
     top = _top_func_graph()
     if top is None:
@@ -123,12 +146,14 @@ def _record_access(variable: Any, kind: int, method: str | None, begin: int) -> 
         traced_sections,
         family,
         _input_position(top, key),
+        state.unit,
     )
     with _DETECT_LOCK:
         summary = _SUMMARIES.get(top)
         if summary is None:
             summary = _SUMMARIES[top] = _Summary(top.name)
         summary.accesses.append(traced)
+        summary.keras = summary.keras or api is not None
         for detector in active._ACTIVE:
             if not detector.closed:
                 detector.traced += 1
@@ -221,17 +246,6 @@ def _section_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return audited_section
 
 
-def _start_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def audited_start(self: threading.Thread) -> Any:
-        session = active._SESSION
-        if session is not None:
-            session.fork(self)
-        return original(self)
-
-    return audited_start
-
-
 def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def audited_join(self: threading.Thread, *args: Any, **kwargs: Any) -> Any:
@@ -242,3 +256,32 @@ def _join_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return audited_join
+
+
+def _snapshot_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``take_snapshots``: a snapshot reads its variables (the fast path reads
+    their handles with a raw op, which no hook sees), and the reads of one snapshot call
+    are one consistent unit (a torn read is never reported between them)."""
+
+    @functools.wraps(original)
+    def audited_take_snapshots(variables: Any, *args: Any, **kwargs: Any) -> Any:
+        session = active._SESSION
+        if session is None:
+            return original(variables, *args, **kwargs)
+        state = session.state()
+        outer = state.unit
+        if outer is None:
+            state.unit = next(_UNIT_IDS)
+        try:
+            begin = next(_SEQ)
+            snapshots = original(variables, *args, **kwargs)
+            frame = sys._getframe(1)
+            for variable in variables:
+                inner = getattr(variable, "__wrapped__", None)
+                if getattr(inner, "_handle", None) is not None:
+                    _record_access(inner, _READ, None, begin, frame)
+            return snapshots
+        finally:
+            state.unit = outer
+
+    return audited_take_snapshots

@@ -1,9 +1,9 @@
 """What an audit reports: :class:`AuditReport`, each :class:`Race` and their text.
 
-The race kinds (``LOST_UPDATE``, ``CONCURRENT_WRITE``) and evidences (``OBSERVED``,
-``PREDICTED``) are defined here; the analysis that finds them is in
-``happens_before.py``, above this module: a report asks its detector for a copy of its
-findings (:class:`Detecting`).
+The race kinds (``LOST_UPDATE``, ``CONCURRENT_WRITE``, ``TORN_READ``), the evidences
+(``OBSERVED``, ``PREDICTED``) and the fix each finding suggests (:func:`fix_for`) are
+defined here; the analysis that finds them is in ``happens_before.py``, above this
+module: a report asks its detector for a copy of its findings (:class:`Detecting`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ __all__ = [
     "LOST_UPDATE",
     "OBSERVED",
     "PREDICTED",
+    "TORN_READ",
     "AuditReport",
     "Race",
 ]
 
 LOST_UPDATE = "lost_update"
 CONCURRENT_WRITE = "concurrent_write"
+TORN_READ = "torn_read"
 OBSERVED = "observed"
 PREDICTED = "predicted"
 
@@ -37,20 +39,33 @@ class Race:
 
     Attributes:
       kind: ``"lost_update"`` (a thread's read-then-write of the variable can be
-        interleaved with another thread's write) or ``"concurrent_write"`` (blind writes
-        by different threads, unordered, last writer wins).
-      variable: The variable's name (``"counter:0"``).
+        interleaved with another thread's write), ``"concurrent_write"`` (blind writes
+        by different threads, unordered, last writer wins) or ``"torn_read"`` (a thread
+        reads several variables that another thread writes as one update, and the reads
+        can fall in the middle of it: values from before and after the update mixed).
+      variable: The variable's name: its Keras ``path`` (``"sequential/dense/kernel"``,
+        ``"adam/sequential_dense_kernel_momentum"``) when it is a Keras variable, else
+        its TensorFlow name (``"counter:0"``). For ``torn_read``, the first of
+        :attr:`variables`.
       threads: Names of every thread seen taking part, sorted.
       read_site: ``"file:line"`` of the read the write was based on (``lost_update``),
         else ``None``.
       write_sites: For ``lost_update``: the reading thread's own write first, then the
         other thread's write that can come in between. For ``concurrent_write``: the two
-        writes, sorted. Each ``"file:line"``.
+        writes, sorted. For ``torn_read``: the writes of the update, sorted. Each
+        ``"file:line"``.
       evidence: ``"observed"`` if the conflicting operations were recorded in flight at
         the same time at least once, ``"predicted"`` if they are merely unordered.
-      count: How many times the pattern matched (each new window or write is compared
-        with the latest access of every other thread and site).
+      count: How many times the pattern matched (each new access is compared with the
+        latest accesses of every other thread and site).
       contexts: Where the accesses ran: ``"eager"`` and/or ``"tf.function 'name'"``.
+      variables: Every variable of the finding, sorted for ``torn_read`` (the variables
+        read across the update); ``(variable,)`` for the other kinds.
+      read_sites: The reads: ``(read_site,)`` for ``lost_update``, the reads of the
+        view, sorted, for ``torn_read``, ``()`` for ``concurrent_write``.
+      calls: The Keras calls the accesses came from (``"train_on_batch"``, ``"fit"``,
+        ``"apply_gradients"``), sorted; ``()`` for accesses made by your own code.
+      fix: What to change, in one sentence (see :func:`fix_for`).
     """
 
     kind: str
@@ -61,13 +76,24 @@ class Race:
     evidence: str
     count: int
     contexts: tuple[str, ...]
+    variables: tuple[str, ...] = ()
+    read_sites: tuple[str, ...] = ()
+    calls: tuple[str, ...] = ()
+    fix: str = ""
 
     def __str__(self) -> str:
-        title = "lost update" if self.kind == LOST_UPDATE else "concurrent unlocked writes"
+        names = ", ".join(repr(v) for v in (self.variables or (self.variable,)))
+        title = {
+            LOST_UPDATE: "lost update on",
+            CONCURRENT_WRITE: "concurrent unlocked writes on",
+            TORN_READ: "torn read of",
+        }.get(self.kind, self.kind)
+        shown = (_CALL_NAMES.get(c, c) for c in self.calls)
+        via = f", from Keras {', '.join(shown)}" if self.calls else ""
         lines = [
             (
-                f"{title} on {self.variable!r}: threads {', '.join(self.threads)} "
-                f"({self.evidence}, matched {self.count}x, {', '.join(self.contexts)})"
+                f"{title} {names}: threads {', '.join(self.threads)} "
+                f"({self.evidence}, matched {self.count}x, {', '.join(self.contexts)}{via})"
             )
         ]
         if self.kind == LOST_UPDATE:
@@ -76,18 +102,81 @@ class Race:
             lines.append(
                 _site_line("write", self.write_sites[1], "another thread can write in between")
             )
-            lines.append(
-                "    fix: make the read and the write one step: SafeVariable.update(fn), "
-                "or both inside `with safevars.locked(v):`"
-            )
+        elif self.kind == TORN_READ:
+            for site in self.read_sites:
+                lines.append(_site_line("read ", site, "read as one view"))
+            for site in self.write_sites:
+                lines.append(
+                    _site_line("write", site, "another thread's update, can fall between")
+                )
         else:
             for site in self.write_sites:
                 lines.append(_site_line("write", site, ""))
-            lines.append(
-                "    fix: hold the variable's lock for both writes (safevars.locked / a "
-                "SafeVariable) or order them (join the writer first)"
-            )
+        fix = self.fix or fix_for(self.kind, self.variables, self.calls)
+        lines.append(f"    fix: {fix}")
         return "\n".join(lines)
+
+
+# How a Keras call is shown (the others by their name).
+_CALL_NAMES = {"__call__": "model(...)", "call": "model(...)"}
+# Keras calls that run a whole train step, and those that apply an optimizer's update.
+_TRAIN_CALLS = frozenset({"train_on_batch", "fit", "train_step", "train_function"})
+_OPTIMIZER_CALLS = frozenset({"apply_gradients", "apply", "minimize", "update_step"})
+
+
+def fix_for(kind: str, variables: tuple[str, ...], calls: tuple[str, ...]) -> str:
+    """The fix a finding suggests, from its kind and the Keras calls behind it.
+
+    Args:
+      kind: The race kind.
+      variables: The variables' names (shown in a torn read's fix).
+      calls: The Keras calls the accesses came from (:attr:`Race.calls`).
+
+    Returns:
+      One sentence: ``safevars.scope()`` for Keras train steps, ``SafeOptimizer`` for an
+      optimizer's ``apply_gradients``, ``safevars.snapshot``/``safevars.locked`` for a
+      torn read of your own variables, ``SafeVariable.update``/``safevars.locked`` for a
+      lost update.
+    """
+    train = bool(_TRAIN_CALLS.intersection(calls))
+    optimizer = bool(_OPTIMIZER_CALLS.intersection(calls))
+    if kind == TORN_READ:
+        if train:
+            return (
+                "build the model and its optimizer inside `safevars.scope()`: each train "
+                "step, forward pass included, is then one critical section; other readers "
+                "take `safevars.snapshot(model)`"
+            )
+        if optimizer:
+            return (
+                "make the update one section with `safevars.SafeOptimizer(optimizer)`, and "
+                "read the weights at one instant: `safevars.snapshot(model)` (or inside "
+                "`with safevars.locked(model):`)"
+            )
+        shown = ", ".join(v.split(":")[0] for v in variables[:3]) or "a, b"
+        return (
+            f"read them together: `safevars.snapshot([{shown}])`, and write them in one "
+            f"section: `with safevars.locked({shown}):` or `safevars.transaction`"
+        )
+    if train:
+        return (
+            "build the model and its optimizer inside `safevars.scope()` (each train step "
+            "becomes one critical section), or make the calls under one lock"
+        )
+    if optimizer:
+        return (
+            "wrap the optimizer: `safevars.SafeOptimizer(optimizer)` makes each "
+            "`apply_gradients` one critical section"
+        )
+    if kind == LOST_UPDATE:
+        return (
+            "make the read and the write one step: SafeVariable.update(fn), or both inside "
+            "`with safevars.locked(v):`"
+        )
+    return (
+        "hold the variable's lock for both writes (safevars.locked / a SafeVariable) or "
+        "order them (join the writer first)"
+    )
 
 
 def _site_line(label: str, site: str | None, note: str) -> str:
@@ -206,8 +295,9 @@ class AuditReport:
         if any(r.evidence == PREDICTED for r in races):
             notes.append(
                 "evidence 'predicted': the accesses are not ordered by anything the audit "
-                "understands (safevars locks, Thread.start/join), so the interleaving can "
-                "happen even if it did not in this run."
+                "understands (safevars locks, threading and queue primitives, futures, "
+                "Thread.start/join), so the interleaving can happen even if it did not in "
+                "this run."
             )
         lines.extend(f"note: {n}" for n in notes)
         return "\n".join(lines)

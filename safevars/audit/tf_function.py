@@ -4,14 +4,16 @@ Graph execution is invisible to Python patching, so an access made while a funct
 traced is kept, in program order, in the :class:`_Summary` of its ``FuncGraph``
 (``_SUMMARIES``; recorded by ``recording._record_access``). Each eager call of the
 concrete function (``ConcreteFunction._call_flat``, patched) replays the summary as
-accesses of the calling thread; a function called while tracing another adds its
-summary to the caller's. A variable that reached the graph as an argument is attributed
+accesses of the calling thread, one run of their own (a call's writes are one update,
+its reads one view), named after the Keras call that made it; a function called while
+tracing another adds its summary to the caller's. A variable that reached the graph as an argument is attributed
 to the variable passed in each call.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,7 +27,14 @@ from safevars._tf_internal import (
 from safevars._tf_internal import eager_context_module as context
 from safevars.audit import active
 from safevars.audit.active import _DETECT_LOCK
-from safevars.audit.happens_before import _SECTION_IDS, _SEQ, _Access, _eager_protection
+from safevars.audit.clocks import _Run
+from safevars.audit.happens_before import (
+    _SECTION_IDS,
+    _SEQ,
+    _Access,
+    _eager_protection,
+)
+from safevars.audit.sites import _user_site
 
 
 class _Traced(NamedTuple):
@@ -40,16 +49,20 @@ class _Traced(NamedTuple):
     family: str | None
     # Index of the graph input that carries ``var`` (None: resolved at the first call).
     position: int | None = None
+    unit: int | None = None  # the snapshot it was read in, if any
 
 
 class _Summary:
     """The accesses of one traced function, in program order."""
 
-    __slots__ = ("name", "accesses", "positions")
+    __slots__ = ("name", "accesses", "positions", "keras")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.accesses: list[_Traced] = []
+        # Whether Keras code made some of them: each call then names the Keras call that
+        # made it (train_on_batch, fit).
+        self.keras = False
         # id(handle seen at trace time) -> index of the graph input that carries it at
         # run time (a capture, or an argument: then each call may pass another variable).
         self.positions: dict[int, int | None] = {}
@@ -118,6 +131,7 @@ def _merge_nested(function: Any) -> None:
         outer = _SUMMARIES.get(top)
         if outer is None:
             outer = _SUMMARIES[top] = _Summary(top.name)
+        outer.keras = outer.keras or inner.keras
         for t in list(inner.accesses):
             # The caller's graph has other inputs: its position is resolved at its calls.
             outer.accesses.append(
@@ -149,6 +163,8 @@ def _replay(function: Any, inputs: list[Any], begin: int) -> None:
     locks, sections = _eager_protection(state)
     call = next(_SECTION_IDS)
     label = f"tf.function {summary.name!r}"
+    run = _Run(state)  # the call's accesses: one update, one view
+    api = _user_site(sys._getframe(2))[2] if summary.keras else None  # train_on_batch
     accesses = []
     for t in list(summary.accesses):
         key, name = t.var, t.name
@@ -167,13 +183,15 @@ def _replay(function: Any, inputs: list[Any], begin: int) -> None:
                 key,
                 name,
                 t.site,
-                state,
+                run,
                 begin,
                 end,
                 t.locks | locks,
                 frozenset((k, i, call) for k, i in t.sections) | sections,
                 t.family,
                 label,
+                None if t.unit is None else (call, t.unit),
+                api,
             )
         )
     with _DETECT_LOCK:

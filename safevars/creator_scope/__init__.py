@@ -41,11 +41,14 @@ one per optimizer step that wrote it (plain or safe; its slots likewise), one pe
 NOTES:
   What is *not* covered:
 
-  * Variables created outside the scope. Build the model inside it (a model whose
-    weights are created lazily by its first call in ``fit`` gets plain weights: give it
-    an ``Input`` or call ``model.build`` inside the scope). Create the optimizer inside
-    it too if its ``iterations`` and learning rate are to be safe; its slots are safe
-    either way.
+  * Variables created outside the scope by objects that were not made in it either (a
+    plain ``keras.Variable``, a model built and trained entirely outside). Protect such
+    a model with :func:`protect`; :func:`is_protected` and :func:`unprotected_variables`
+    tell what is not protected. A Keras layer, optimizer or metric made inside a block
+    is marked with it, so the variables Keras creates for it later, outside the block
+    (a subclassed model's weights at its first call, slots at the first step, compiled
+    metrics), join the block's lock (``marks.py``); a model trained inside a block is
+    protected under it first (``protection.py``).
   * Writes made directly on a replica's copy of a mirrored variable
     (``v.values[0].assign(...)``) or through ``v.__wrapped__``.
   * One lock per block: threads writing different variables of one block take turns.
@@ -75,13 +78,35 @@ Where things live:
 * ``backing.py``: which variables are SafeVariable-backed.
 * ``slots.py``, ``strategy_updates.py``, ``keras_variables.py``, ``optimizer_steps.py``,
   ``train_steps.py``: one patch each (above); ``keras_classes.py``: what they reach of
-  Keras; ``patches.py``: installing them.
+  Keras.
+* ``marks.py``: which block a Keras object belongs to, so the variables it creates
+  later join it.
+* ``protection.py``: :func:`protect`, :func:`is_protected`, :func:`unprotected_variables`,
+  and Keras' training calls that protect a model trained inside a block.
+* ``model_files.py``: a protected model's ``.keras`` file, pickle, deep copy and
+  ``clone_model`` come back protected.
+* ``patches.py``: installing the patches.
 """
 
 from safevars.creator_scope.optimizer_steps import traced_plainly as traced_plainly
 from safevars.creator_scope.patches import install
+from safevars.creator_scope.protection import (
+    UnprotectedVariable,
+    is_protected,
+    protect,
+    unprotected_variables,
+)
 from safevars.creator_scope.scoping import scope
 from safevars.creator_scope.slots import slots_of
 from safevars.creator_scope.train_steps import STEP_GUARD_HOOKS
 
-__all__ = ["STEP_GUARD_HOOKS", "install", "scope", "slots_of"]
+__all__ = [
+    "STEP_GUARD_HOOKS",
+    "UnprotectedVariable",
+    "install",
+    "is_protected",
+    "protect",
+    "scope",
+    "slots_of",
+    "unprotected_variables",
+]

@@ -28,7 +28,7 @@ from safevars.distribute import check_strategy, on_parameter_server
 from safevars.locking import SectionLock
 from safevars.variable import SafeVariable
 
-__all__ = ["ScopeLocks", "creating", "joining", "reenter_after_reset"]
+__all__ = ["ScopeLocks", "creating", "current_block", "joining", "reenter_after_reset"]
 
 # Creators with a higher priority run first; a strategy's scope and the public
 # tf.variable_creator_scope use 100, tf.function's variable lifting 50. Running first,
@@ -43,16 +43,34 @@ class ScopeLocks:
     strategy traces in; the first variable per key makes the lock under a mutex.
     """
 
-    __slots__ = ("_locks", "_mutex")
+    __slots__ = ("_locks", "_mutex", "__weakref__")
 
     def __init__(self) -> None:
         self._locks: dict[str | None, SectionLock] = {}
         self._mutex = threading.Lock()
 
+    def adopt(self, variable: tf.Variable, lock: SectionLock) -> None:
+        """Makes ``lock`` the block's lock for ``variable``'s device (after
+        :func:`safevars.protect` joined the block's lock and the locks its variables
+        already had into ``lock``)."""
+        with self._mutex:
+            self._locks[self.key(variable)] = lock
+
+    def lock_for(self, variable: tf.Variable) -> SectionLock | None:
+        """The block's lock for ``variable``'s device, None before its first variable."""
+        with self._mutex:
+            return self._locks.get(self.key(variable))
+
+    @staticmethod
+    def key(variable: tf.Variable) -> str | None:
+        """Which of the block's locks ``variable`` takes: its parameter-server device,
+        or None (one lock) anywhere else."""
+        device = getattr(variable, "device", "") or ""
+        return device if on_parameter_server(device) else None
+
     def wrap(self, variable: tf.Variable) -> SafeVariable:
         """``variable`` as a SafeVariable under the block's lock for its device."""
-        device = getattr(variable, "device", "") or ""
-        key = device if on_parameter_server(device) else None
+        key = self.key(variable)
         with self._mutex:
             lock = self._locks.get(key)
             safe = SafeVariable._from_variable(variable, lock=lock)
@@ -72,7 +90,8 @@ def _creator(wrap: Callable[[tf.Variable], SafeVariable]) -> Callable[..., Any]:
     return creator
 
 
-# The creator scopes open in this thread, outermost first: [creator, entered context].
+# The creator scopes open in this thread, outermost first:
+# [creator, entered context, the block's ScopeLocks (None for joining)].
 _open = threading.local()
 
 
@@ -86,7 +105,7 @@ def _enter(creator: Callable[..., Any]) -> Any:
 @contextlib.contextmanager
 def creating(locks: ScopeLocks) -> Iterator[None]:
     """Inside, every variable created is wrapped under ``locks``."""
-    with _open_creator(_creator(locks.wrap)):
+    with _open_creator(_creator(locks.wrap), locks):
         yield
 
 
@@ -99,15 +118,24 @@ def joining(lock: SectionLock) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _open_creator(creator: Callable[..., Any]) -> Iterator[None]:
+def _open_creator(creator: Callable[..., Any], block: ScopeLocks | None = None) -> Iterator[None]:
     stack = _open.__dict__.setdefault("stack", [])
-    record = [creator, _enter(creator)]
+    record = [creator, _enter(creator), block]
     stack.append(record)
     try:
         yield
     finally:
         stack.remove(record)
         record[1].__exit__(None, None, None)
+
+
+def current_block() -> ScopeLocks | None:
+    """The innermost :func:`safevars.scope` block open in this thread, if any."""
+    for record in reversed(getattr(_open, "stack", ())):
+        if record[2] is not None:
+            block: ScopeLocks = record[2]
+            return block
+    return None
 
 
 def reenter_after_reset() -> None:

@@ -24,6 +24,13 @@ class KerasClasses:
         self.variable_class = keras_internal("backend.tensorflow.core").Variable
         self.optimizer_class = keras_internal("backend.tensorflow.optimizer").TFOptimizer
         self.trainer_class = keras_internal("backend.tensorflow.trainer").TensorFlowTrainer
+        # Keras compares a model's compile with this class's (Trainer.compile) to tell a
+        # custom one: a patch of compile goes there, not on the backend's trainer.
+        self.base_trainer_class = keras_internal("trainers.trainer").Trainer
+        # The bases whose objects create variables: what a block marks (marks.py).
+        self.layer_class = keras.layers.Layer
+        self.base_optimizer_class = keras_internal("optimizers.base_optimizer").BaseOptimizer
+        self.metric_class = keras.metrics.Metric
         self.export_archive_class = keras_export_archive()
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from safevars._tf_internal import KERAS_STEP_FUNCTIONS
 from safevars.creator_scope.backing import guard_of_backing, safe_backing
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.slots import slots_of
@@ -42,7 +43,14 @@ from safevars.locking import (
 from safevars.sections import graph_section, step_span
 from safevars.variable import writes_counted_by_caller
 
-__all__ = ["plain_apply", "plain_update_step", "traced_plainly", "write_without_reading"]
+__all__ = [
+    "forget_step_guards",
+    "plain_apply",
+    "plain_update_step",
+    "traced_by_user",
+    "traced_plainly",
+    "write_without_reading",
+]
 
 
 class StepGuards:
@@ -62,6 +70,9 @@ class StepGuards:
 
 _STEP_GUARDS = "_safevars_step_guards"  # optimizer attribute: {variable ids: StepGuards}
 _TRACED = "_safevars_traced_plainly"  # optimizer attribute: True once traced unlocked
+# Optimizer attribute: True once traced unlocked into a function that is not Keras' own
+# (Keras traces its train function again after safevars.protect; a user's is kept).
+_TRACED_BY_USER = "_safevars_traced_by_user"
 _stepping = threading.local()  # .depth: plain optimizer steps this thread is inside
 
 
@@ -74,6 +85,26 @@ def traced_plainly(optimizer: Any) -> bool:
     """Whether ``optimizer``'s plain update was traced into a ``tf.function`` (which keeps
     it unlocked if the optimizer is made safe afterwards)."""
     return bool(optimizer.__dict__.get(_TRACED, False))
+
+
+def traced_by_user(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s plain update was traced into a ``tf.function`` other than
+    Keras' own train function (one safevars cannot make trace again)."""
+    return bool(optimizer.__dict__.get(_TRACED_BY_USER, False))
+
+
+def _in_keras_step() -> bool:
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(graph, "name", None) in KERAS_STEP_FUNCTIONS:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def forget_step_guards(optimizer: Any) -> None:
+    """Drops ``optimizer``'s cached step plans (its variables were protected since)."""
+    optimizer.__dict__.pop(_STEP_GUARDS, None)
 
 
 def step_guards(optimizer: Any, variables: list[Any]) -> StepGuards | None:
@@ -154,6 +185,8 @@ def plain_apply(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, grads, trainable_variables)
         if not tf.executing_eagerly():
             self.__dict__[_TRACED] = True
+            if not _in_keras_step():
+                self.__dict__[_TRACED_BY_USER] = True
         if trainable_variables is None or not cross_replica():
             return original(self, grads, trainable_variables)
         variables = list(trainable_variables)

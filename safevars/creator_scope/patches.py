@@ -15,8 +15,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from safevars._tf_internal import saved_model_loader
-from safevars.creator_scope import keras_variables, optimizer_steps, train_steps
+from safevars._tf_internal import keras_clone_model_homes, keras_model_files, saved_model_loader
+from safevars.creator_scope import (
+    keras_variables,
+    marks,
+    model_files,
+    optimizer_steps,
+    protection,
+    train_steps,
+)
 from safevars.creator_scope.creators import reenter_after_reset
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.slots import add_variable_from_reference
@@ -26,6 +33,15 @@ from safevars.locking.saved_model import restores_without_versions, tracks_guard
 __all__ = ["install"]
 
 _INSTALL_LOCK = threading.Lock()
+_TRAINING_ENTRIES = (
+    "compile",
+    "fit",
+    "train_on_batch",
+    "evaluate",
+    "test_on_batch",
+    "predict",
+    "predict_on_batch",
+)
 _KERAS_DONE: list[bool] = []
 
 
@@ -86,6 +102,23 @@ def install() -> None:
         )
         _patch(keras.variable_class, "_trackable_children", keras_variables.trackable_children)
         _patch(keras.export_archive_class, "_filter_and_track_resources", tracks_guarded_state)
+        # Protection that follows a model made in a block, or protected, wherever Keras
+        # creates its variables later (marks.py, protection.py, model_files.py).
+        _patch(keras.variable_class, "_initialize", marks.initialize)
+        for owner in (keras.layer_class, keras.base_optimizer_class, keras.metric_class):
+            _patch(owner, "__init__", marks.constructed)
+        for entry in _TRAINING_ENTRIES:
+            owner = keras.base_trainer_class if entry == "compile" else keras.trainer_class
+            _patch(owner, entry, functools.partial(protection.protecting_entry, entry))
+        files = keras_model_files()
+        _patch(files, "_serialize_model_as_json", model_files.marking_metadata)
+        _patch(files, "_load_model_from_fileobj", model_files.loading_from_fileobj)
+        _patch(files, "_load_model_from_dir", model_files.loading_from_dir)
+        homes = keras_clone_model_homes()
+        clone = model_files.cloning(getattr(homes[0], "clone_model"))  # noqa: B009
+        for home in homes:
+            if not getattr(getattr(home, "clone_model"), "_safevars", False):  # noqa: B009
+                setattr(home, "clone_model", clone)  # noqa: B010
         _KERAS_DONE.append(True)
 
 

@@ -57,9 +57,10 @@ count (the lock is still never orphaned).
 NOTES:
   Calling a ``tf.function`` that writes ``v`` from inside ``safevars.locked(v)`` once
   ``v`` is in run-time mode would wait on a mutex the caller holds, exactly as nesting
-  ``tf.CriticalSection.execute`` would. safevars detects it when the function is traced
-  inside the section (raising :class:`~safevars.LockReentryError`) but cannot see a
-  function traced elsewhere and merely called inside the section: do not do that.
+  ``tf.CriticalSection.execute`` would. safevars raises :class:`~safevars.LockReentryError`
+  instead: when the function is traced inside the section (``runtime_mode.ensure_runtime``) and,
+  wherever it was traced, when it is called there (:mod:`safevars.sections.reentry`,
+  which records the locks each traced graph takes).
 
 Where things live (one idea per file; each imports only modules listed above it):
 

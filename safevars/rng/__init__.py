@@ -17,7 +17,7 @@ resource variable ``[counter_lo, counter_hi, key]``: the same layout as
 ``philox(key(seed, worker, replica), counter)``; a draw fetches the counter and advances
 it by the number of values drawn in one atomic step under the variable's own mutex:
 one fused kernel (``StatefulStandardNormalV2``, ...) eagerly and for graph draws
-of fewer than 512 elements, ``RngReadAndSkip`` then the stateless ``*V2`` kernel for
+of fewer than 4,096 elements, ``RngReadAndSkip`` then the stateless ``*V2`` kernel for
 larger graph draws, whose fills then run in parallel (bitwise the same values). Hence:
 
 * the same seed gives bitwise the same streams in a new instance or a new process;

@@ -45,11 +45,22 @@ _FULL_INT = (
 )
 # Where the split form starts to win in a graph: the fused kernel fills its output under
 # the state variable's mutex, so the draws of one stream in a graph fill one after
-# another; the split form's fills run in parallel, for two ops more per draw. Measured
-# on the 2-core development CPU (2026-11-26, the rng benchmark's graph variants, 8 draws
-# of one stream per call, 60 rotated rounds): fused/split per call 0.91 at 1 element,
-# 0.98 at 256, 1.02 at 384, 1.03 at 512, 1.15 at 768, 1.12 at 1,024, 1.00 at 4,096.
-_FUSED_MAX_ELEMENTS = 512
+# another (each fill still shards over the intra-op threads); the split form's fills may
+# run side by side, for three ops more per draw (RngReadAndSkip, Bitcast, SplitV).
+# Measured on the 2-core development CPU on 2026-11-26 (8 draws of one stream per call,
+# 60 rotated rounds): fused/split per call 0.91 at 1 element, 1.03 at 512, 1.12 at 1,024,
+# 1.00 at 4,096; so the split form from 512. On 2026-11-29 (issue 44: the rng benchmark's
+# graph draws of 1K elements read 1.19-1.26x tf.random.stateless_normal, goal 1.05), in
+# one process, A/B against stateless_normal, 100 rotated rounds, the machine busy with
+# other jobs: at 1,000 elements split 1.26 and 1.17, fused 1.01 and 1.00; at 2,048 split
+# 1.15, fused 1.06; at 4,096 split 1.09, fused 1.16. Counted with callgrind (a count of
+# instructions, which load does not change; 8 draws of 1,000 elements per call):
+# stateless_normal 2.56M instructions per call, the same with one captured variable read
+# added 2.73M, the split form 2.81M, the fused form 2.38M. What a stateful draw cannot
+# avoid is the captured state variable (TensorFlow's per-call cost of a capture); the
+# split form's three ops per draw come on top of it, the fused form saves two of
+# stateless_normal's three. Hence the fused kernel below 4,096 elements.
+_FUSED_MAX_ELEMENTS = 4096
 
 _Kernels = tuple[Callable[..., Any], Callable[..., Any]]
 

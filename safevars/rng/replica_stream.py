@@ -99,10 +99,10 @@ class ReplicaStream(_Draws, _PureSeeds, tf.Module):
           the stateless kernel fills the output from the fetched key and counter outside
           the mutex (what ``tf.random.Generator`` does).
 
-        Eagerly, and in a graph for draws of fewer than ``_FUSED_MAX_ELEMENTS`` (512)
+        Eagerly, and in a graph for draws of fewer than ``_FUSED_MAX_ELEMENTS`` (4,096)
         static elements, the fused form runs (one op instead of four). Larger or
         dynamic draws in a graph use the split form, so that independent draws of one
-        graph fill their outputs in parallel (the measurement behind 512 is in
+        graph fill their outputs in parallel (the measurements behind 4,096 are in
         :mod:`.kernels`).
         """
         fused, stateless = kernels

@@ -18,6 +18,8 @@ Where things live (one idea per file; each module imports only those above it):
 * ``xla.py``: what an XLA-compiled function records while traced (its locks, the
   preparations of ``record_xla_preparation``).
 * ``gate.py``: what a section's ops wait for, its last ``MutexLock`` or a gate op.
+* ``reentry.py``: which locks a traced graph takes, and the eager call of it that would
+  wait on a lock its own thread holds (raised as ``LockReentryError``).
 * ``coarsening.py``: consecutive sections on the same locks joined into one, and their
   version counts merged.
 * ``section.py``: :func:`graph_section` / ``lock_section``, the ops of one section.

@@ -59,7 +59,7 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars.locking import SectionLock
-from safevars.sections.gate import Ungated, op_sources
+from safevars.sections.gate import Ungated, narrow, op_sources, stateful
 
 __all__ = [
     "OpenSection",
@@ -130,6 +130,7 @@ class OpenSection:
     releases: list[Any]  # the ConsumeMutexLock ops
     end: int  # how many ops the graph had when the section's results were made
     counts: dict[Any, Count]  # guard -> the version count a joining write may add to
+    members: set[Any]  # the ops of its bodies (the releases wait for the stateful ones)
     # While the section waits for its last MutexLock directly: the ops that wait for it
     # (safevars.sections.gate); None once it has a gate.
     ungated: Ungated | None = None
@@ -279,12 +280,14 @@ def join(
         return own_section(result, graph.get_operations()[before:], counts)
     count_writes(graph, pending, section)
     created = graph.get_operations()[before:]
+    narrow(section.tokens[0].op, created)
     if section.ungated is not None:  # no gate yet: one if the lock now readies many ops
         gate = section.ungated.add(created)
         if gate is not section.ungated.opener:
             section.tokens, section.ungated = [gate], None
     for release in section.releases:
-        release._add_control_inputs(created)
+        release._add_control_inputs(stateful(created))
+    section.members.update(created)
     with tf.control_dependencies(section.releases):
         leaves = [after_release(x) for x in tf.nest.flatten(result)]
     section.end = len(graph.get_operations())
@@ -296,11 +299,11 @@ def _may_join(graph: Any, section: OpenSection, created: list[Any]) -> bool:
     """Whether a traced body may run under ``section``'s lock (see the module doc)."""
     if any(_orders_after_release(op) for op in created):
         return False
-    # The section's own ops: the new body, its locks and the bodies already joined (what
-    # its releases wait for). Depending on those is no cycle: they run under the same
-    # locks, before the releases (a write waits for the version count of the previous
-    # write of its variable: safevars.variable.write_order).
-    own = set(created) | {t.op for t in section.tokens}
+    # The section's own ops: the new body, its locks and gates, and the bodies already
+    # joined. Depending on those is no cycle: they run under the same locks, before the
+    # releases (a write waits for the version count of the previous write of its
+    # variable: safevars.variable.write_order).
+    own = set(created) | {t.op for t in section.tokens} | section.members
     for release in section.releases:
         own.update(release.control_inputs)
     return not any(

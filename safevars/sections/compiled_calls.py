@@ -1,4 +1,5 @@
-"""The compiled-call wrapper: an XLA-compiled function runs under the locks it recorded.
+"""The call wrapper: an XLA-compiled function runs under the locks it recorded, and no
+function is called eagerly by a thread that holds a lock its graph takes.
 
 ``ConcreteFunction._call_flat`` is wrapped once (:func:`install`, at import of
 :mod:`safevars.sections`): a function whose graph recorded locks
@@ -6,7 +7,9 @@
 mutexes), and inside another ``tf.function`` as the body of a section
 (:func:`~safevars.sections.section.lock_section`); its preparations run first, under
 the same locks. A call nested in a bigger compiled function records its locks on that
-one instead.
+one instead. Every eager call is first checked against the locks the calling thread
+holds, and a call traced into another function adds the callee's locks to the caller's
+graph (:mod:`safevars.sections.reentry`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars.locking import hold_locks
+from safevars.sections.reentry import check_not_held, current_graph_records, graph_locks
 from safevars.sections.section import lock_section
 from safevars.sections.xla import (
     _locks_of,
@@ -34,6 +38,10 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps ``ConcreteFunction._call_flat``: an XLA function runs under its locks."""
 
     def call_flat(self: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+        if tfi.executing_eagerly():
+            check_not_held(self)  # its graph would wait on a lock this thread holds
+        else:
+            current_graph_records(graph_locks(self))  # the caller's graph takes them too
         locks = _locks_of(self)
         if not locks:
             return original(self, tensor_inputs, captured_inputs)

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from safevars.locking import SectionLock
 
-__all__ = ["DIRECT_ROOTS", "Ungated", "op_sources", "open_gate"]
+__all__ = ["DIRECT_ROOTS", "Ungated", "narrow", "op_sources", "open_gate", "stateful"]
 
 DIRECT_ROOTS = 2  # A section with more roots than this opens through a gate.
 
@@ -47,6 +47,54 @@ def open_gate(lock: SectionLock, opener: tf.Tensor) -> tf.Tensor:
     """The gate of a section whose last ``MutexLock`` is ``opener`` (on ``lock``)."""
     with tf.control_dependencies([opener]):
         return tf.raw_ops.VarIsInitializedOp(resource=lock.gate.handle)
+
+
+def narrow(gate: Any, ops: Sequence[Any]) -> None:
+    """Leaves ``gate``'s control edge only where the section's state needs it.
+
+    ``ops`` were just traced into a section (in the order they were made) under a control
+    dependency on ``gate`` (an op: the last ``MutexLock`` or a gate op), which TensorFlow
+    adds to every op with no input made in that scope: a ``Const``, an op of the
+    function's inputs, as well as the reads. Only the ops that touch state must run
+    inside the section: every stateful op (a read, a write, a random op, a call) waits
+    for ``gate``, directly or through an input that does. A stateless op keeps no edge
+    of its own, so Grappler sees it as in the same function without safevars: a
+    ``Const`` with a control input is not a plain constant to its rewrites (the
+    arithmetic optimizer's ``Mul(x, 1)`` removal, then the remapper's fused kernels such
+    as ``_MklSwish`` or ``_FusedConv2D`` with an activation did not apply, and the step
+    computed other bits). A stateless op may then run before the lock is taken; the
+    release still waits for it (the section waits for every op it created).
+
+    A stateful op that waited for ``gate`` only through such an op (a write of a
+    constant) gets the edge directly.
+    """
+    waiting: set[Any] = set()
+    for op in ops:
+        direct = gate in op.control_inputs
+        if direct and not op._is_stateful:
+            others = [c for c in op.control_inputs if c is not gate]
+            op._remove_all_control_inputs()
+            op._add_control_inputs(others)
+            direct = False
+        if direct or any(s in waiting for s in op_sources(op)):
+            waiting.add(op)
+        elif op._is_stateful:
+            op._add_control_inputs([gate])
+            waiting.add(op)
+
+
+def stateful(ops: Iterable[Any]) -> list[Any]:
+    """The ops of ``ops`` a section's release waits for: the stateful ones.
+
+    A stateless op computes on values (a read returns a value that later writes do not
+    change: TensorFlow copies a variable's buffer on write while a read of it is in use),
+    so it may run after the release. A control edge from each op would mark every op
+    of the body as driving a control dependency, which Grappler's arithmetic optimizer
+    does not rewrite (its ``AddOpsRewrite`` stage, which turns a tree of ``Add`` into an
+    ``AddN``, skips such nodes: the gradient sums of a residual block were then added in
+    another order).
+    """
+    return [op for op in ops if op._is_stateful]
 
 
 def op_sources(op: Any) -> Iterable[Any]:

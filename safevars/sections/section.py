@@ -24,7 +24,8 @@ from safevars.distribute import on_parameter_server
 from safevars.errors import LockOrderError
 from safevars.locking import Guard, SectionLock, sorted_locks
 from safevars.sections import coarsening
-from safevars.sections.gate import Ungated, open_gate
+from safevars.sections.gate import Ungated, narrow, open_gate, stateful
+from safevars.sections.reentry import record_graph_locks
 from safevars.sections.tracing import (
     _enclosing_sections,
     _graph_held,
@@ -204,6 +205,7 @@ def _traced_section(
             result, pending = trace(fn)
             counts = coarsening.count_writes(graph, pending, None)
         created = graph.get_operations()[before:]
+        narrow(gate.op, created)
         ungated = None
         if gate is locks[-1]:
             ungated = Ungated(new[-1], gate)
@@ -223,6 +225,7 @@ def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> list[tf.Tensor]:
     for lock in new:
         with tf.control_dependencies(locks[-1:] if locks else inputs):
             locks.append(tfi.mutex_lock(lock.cs._handle))
+    record_graph_locks(tfi.default_graph(), new)  # an eager holder must not call it
     return locks
 
 
@@ -239,9 +242,8 @@ def _own_section(
     """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
         locks = _mutex_locks(new, inputs)
-        gate = open_gate(new[-1], locks[-1])  # every op waits for it
-        for op in created:
-            op._add_control_inputs([gate.op])
+        gate = open_gate(new[-1], locks[-1])  # every stateful op waits for it
+        narrow(gate.op, created)
         return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
 
 
@@ -257,8 +259,8 @@ def _release(
     counts: dict[Any, Any],
     ungated: Ungated | None = None,
 ) -> Any:
-    """The releases (after the gate and every op the body created) and the results made
-    to wait.
+    """The releases (after the gate and every stateful op the body created) and the
+    results made to wait.
 
     ``gate`` is what the section's ops wait for: the last of ``locks`` (then ``ungated``
     tracks the ops waiting for it) or a gate op behind it (``ungated`` None).
@@ -268,7 +270,7 @@ def _release(
     body waits for the gate (the section's ``tokens``).
     """
     released = []
-    with tf.control_dependencies([gate.op, *created]):
+    with tf.control_dependencies([gate.op, *stateful(created)]):
         for lock, token in zip(new, locks):
             with tfi.colocate_with(lock.cs._handle):
                 released.append(tfi.consume_mutex_lock(token))
@@ -282,6 +284,7 @@ def _release(
             list(released),
             len(graph.get_operations()),
             counts,
+            set(created),
             ungated,
         )
         coarsening.record(graph, section)

@@ -18,6 +18,8 @@ and which reads it must gate:
   a call, a loop or another section) stay outside: such an op may depend on them, or be
   ordered after them by TensorFlow's automatic control dependencies (which order every
   later op after earlier ones, never the reverse), and gating them would make a cycle.
+  So do reads traced later that such an op waits for all the same: those of writes that
+  joined an earlier section (lock coarsening), which its release waits for.
 
 The cost of a step is then the cost of the plain step plus taking the lock once (and the
 joint version add): with the lock taken only after the last gradient
@@ -49,6 +51,7 @@ import tensorflow as tf
 
 from safevars import _tf_internal as tfi
 from safevars.sections.coarsening import may_wait_or_lock
+from safevars.sections.gate import op_sources
 from safevars.sections.tracing import _enclosing_sections
 
 __all__ = ["READ_OPS", "Span", "opening", "plan"]
@@ -90,10 +93,11 @@ def plan(graph: Any, variables: Sequence[Any]) -> Span | None:
         return None
     ops = graph.get_operations()
     after, start = _blocking(ops)
+    held = _waited_for(after)
     gated = tuple(
         op
         for op in ops[start:]
-        if op.type in READ_OPS and op.inputs and id(op.inputs[0]) in handles
+        if op.type in READ_OPS and op.inputs and id(op.inputs[0]) in handles and op not in held
     )
     if not gated:
         return None
@@ -138,6 +142,27 @@ def _blocking(ops: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
             after.append(op)
             start = index + 1
     return tuple(after), start
+
+
+def _waited_for(ops: Sequence[Any]) -> set[Any]:
+    """Every op that one of ``ops`` waits for, directly or not.
+
+    A section joined by later writes (lock coarsening,
+    :mod:`safevars.sections.coarsening`) is released only after them: BatchNormalization's
+    moving statistics, written in the forward pass of a custom step, join one section
+    whose release then waits for the reads of every layer up to the last one's write,
+    although those reads were traced after the release. Such a read must stay outside
+    the step's section, which waits for that release (gating it was a cycle:
+    MobileNetV2's custom step failed with "nodes in a cycle").
+    """
+    seen: set[Any] = set()
+    stack = list(ops)
+    while stack:
+        for source in op_sources(stack.pop()):
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return seen
 
 
 def _handles_in(graph: Any, variables: Sequence[Any]) -> set[int]:

@@ -22,6 +22,7 @@ numbers; such snapshots serialize with each other.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,10 +32,18 @@ import numpy as np
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars.locking import _current_thread, forget_uses, guards_of, hold, pin, sorted_locks
+from safevars.locking import (
+    Guard,
+    _current_thread,
+    forget_uses,
+    guards_of,
+    hold,
+    pin,
+    sorted_locks,
+)
 from safevars.sections import graph_section
 
-__all__ = ["Snapshot", "take_snapshots"]
+__all__ = ["Snapshot", "scope_weights", "take_snapshots"]
 
 # After an optimistic read fails (a writer was in), this many snapshots of the same
 # locks take the locks directly before trying optimistically again: under a writer
@@ -107,14 +116,134 @@ class Snapshot:
         return f"Snapshot(name={self.name!r}, version={version}, value={shown!r})"
 
 
-def _reader(variable: Any) -> Any:
-    """A no-argument function reading ``variable``'s value (a fast path when plain)."""
-    wrapped = variable.__wrapped__
-    handle = getattr(variable, "_self_handle", None)
-    if handle is None:
-        return wrapped.read_value
-    dtype = wrapped.dtype
-    return lambda: tfi.read_eagerly(wrapped, handle, dtype)
+def _read_eagerly(variables: Sequence[Any]) -> list[tf.Tensor]:
+    """Each variable's value, eagerly (one ``ReadVariableOp`` each when plain)."""
+    values = []
+    for variable in variables:
+        wrapped = variable.__wrapped__
+        handle = getattr(variable, "_self_handle", None)
+        if handle is None:
+            values.append(wrapped.read_value())
+        else:
+            values.append(tfi.read_eagerly(wrapped, handle, wrapped.dtype))
+    return values
+
+
+def scope_weights(structure: Any) -> list[Any] | None:
+    """The SafeVariables behind a Keras layer's or model's weights when each weight was
+    made in ``safevars.scope()`` (its ``_value`` is a SafeVariable), else None.
+
+    What ``as_safe_variables`` gives for such a layer (each weight's ``wrap`` is its
+    ``_value``), without walking a nest: ``snapshot(model)`` of a small model paid
+    about as much for that walk as for reading its weights (issue 44).
+    """
+    keras = sys.modules.get("keras")
+    if keras is None or not isinstance(structure, keras.layers.Layer):
+        return None
+    found = []
+    for weight in structure.weights:
+        backing = getattr(weight, "_value", None)
+        # A SafeVariable is the one object with a guard (this module cannot import its
+        # class: safe_variable imports this module).
+        if not isinstance(getattr(backing, "_self_guard", None), Guard):
+            return None
+        found.append(backing)
+    return found or None
+
+
+def _eager_versions(guards: Sequence[Any]) -> list[int]:
+    """Each guard's version, eagerly; the caller holds the locks or validates the read.
+
+    What ``Guard.version()`` gives, for fewer ops: a guard in run-time mode counts its
+    version variable plus its joint counter, and each of those variables is read with
+    one ``ReadVariableOp`` (``version()`` reads through ``ResourceVariable.numpy``: a
+    read, an identity and the Python between them), a joint counter once for all its
+    members. A guard not in run-time mode counts in Python (``_version``).
+    """
+    counts: dict[int, int] = {}
+    read = tfi.gen_resource_variable_ops.read_variable_op  # (no gradient tape records it)
+
+    def count(variable: Any) -> int:
+        key = id(variable)
+        if key not in counts:
+            counts[key] = int(read(variable.handle, tf.int64))
+        return counts[key]
+
+    return [
+        count(g.version_var) + (0 if g.joint is None else count(g.joint.variable))
+        if g.lock.runtime
+        else g._version
+        for g in guards
+    ]
+
+
+def _local_cpu(device: str) -> bool:
+    return device.startswith("/job:localhost/") and "/device:CPU:" in device
+
+
+def _read_together(
+    variables: Sequence[Any], guards: Sequence[Any]
+) -> tuple[list[tf.Tensor], list[int]] | None:
+    """Every value and version, eagerly, in one op; the caller holds the locks or
+    validates the read. None (nothing read) unless every variable is a plain resource
+    variable on one local CPU with its version there too, and no gradient tape records
+    (the one op has no gradient; a tape gets one ``ReadVariableOp`` per variable).
+
+    ``_ReadVariablesOp`` reads N variables for the cost of one op: a snapshot of a
+    4-weight model read 10 variables (4 values, 4 versions, the joint counter, beside its
+    lock's ``MutexLock``) with 9 ops, most of its cost (issue 44). The reads are
+    reported to variable watchers as each read would be.
+    """
+    if tfi.recording_gradients():
+        return None
+    handles: list[Any] = []
+    dtypes: list[Any] = []
+    for variable in variables:
+        handle = getattr(variable, "_self_handle", None)
+        if handle is None:
+            return None
+        handles.append(handle)
+        dtypes.append(variable.__wrapped__.dtype)
+    count = len(handles)
+    index: dict[int, int] = {}  # id(counter variable) -> its output
+
+    def output(counter: Any) -> int:
+        key = id(counter)
+        if key not in index:
+            index[key] = len(handles)
+            handles.append(counter.handle)
+            dtypes.append(tf.int64)
+        return index[key]
+
+    places = [
+        (output(g.version_var), -1 if g.joint is None else output(g.joint.variable))
+        if g.lock.runtime
+        else None
+        for g in guards
+    ]
+    device = handles[0].device
+    if not _local_cpu(device) or any(h.device != device for h in handles):
+        return None
+    outputs = tfi.read_variables(handles, dtypes)
+    for variable in variables:
+        tfi.variable_accessed(variable.__wrapped__)
+    versions = [
+        g._version
+        if place is None
+        else int(outputs[place[0]]) + (0 if place[1] < 0 else int(outputs[place[1]]))
+        for g, place in zip(guards, places)
+    ]
+    return list(outputs[:count]), versions
+
+
+def _values_and_versions(
+    variables: Sequence[Any], guards: Sequence[Any]
+) -> tuple[list[tf.Tensor], list[int]]:
+    """Every value and version, eagerly (in one op where :func:`_read_together` can)."""
+    together = _read_together(variables, guards)
+    if together is not None:
+        return together
+    return _read_eagerly(variables), _eager_versions(guards)
 
 
 # Snapshots of at least this many variables whose locks are all in run-time mode read
@@ -200,7 +329,6 @@ def take_snapshots(
         pairs = graph_section(guards, read)
         return [Snapshot(value, version, n) for (value, version), n in zip(pairs, names)]
 
-    readers = [_reader(v) for v in variables]
     locks = sorted_locks(guards)
     if not any(lock.mutexed or lock.contended for lock in locks):
         me = _current_thread()
@@ -208,8 +336,7 @@ def take_snapshots(
         # A section the calling thread holds itself is no obstacle: its reads see its
         # own writes, and nobody else can write meanwhile.
         if not any(s & 1 and lock.holder() is not me for lock, s in zip(locks, before)):
-            values = [read() for read in readers]
-            versions = [g.version() if g.lock.runtime else g._version for g in guards]
+            values, versions = _values_and_versions(variables, guards)
             if [lock.seq for lock in locks] == before and not any(lock.mutexed for lock in locks):
                 return [Snapshot(*t) for t in zip(values, versions, names)]
         for lock in locks:  # The next few snapshots of these go straight to the lock.
@@ -219,6 +346,5 @@ def take_snapshots(
             if lock.contended:
                 lock.contended -= 1
     with hold(guards, timeout):  # A writer was in: read under the locks, as it would.
-        values = [read() for read in readers]
-        versions = [g.version() for g in guards]
+        values, versions = _values_and_versions(variables, guards)
     return [Snapshot(*t) for t in zip(values, versions, names)]

@@ -16,8 +16,9 @@ from typing import Any
 import tensorflow as tf
 
 from safevars._validation import short
-from safevars.errors import InvalidArgumentError
-from safevars.variable.safe_variable import SafeVariable
+from safevars.errors import InvalidArgumentError, NotProtectedError
+from safevars.locking import Guard
+from safevars.variable.safe_variable import _GUARDS, SafeVariable
 
 
 def _backing(variable: Any) -> Any:
@@ -31,11 +32,46 @@ def _backing(variable: Any) -> Any:
     return None
 
 
-def _weights_of(obj: Any) -> list[Any] | None:
-    """The variables of a Keras layer or model (``weights``) or a ``tf.Module``, or None."""
+CREATED_AT_ATTRIBUTE = "_safevars_created_at"
+"""Where a plain Keras variable was created (``file:line in function``): set by
+:mod:`safevars.creator_scope.marks`, read here for :class:`~safevars.NotProtectedError`."""
+
+_SHOWN = 8  # unprotected variables a NotProtectedError names one by one
+
+
+def _check_protected(layer: Any, weights: list[Any], argument: str) -> None:
+    """Raises NotProtectedError if a weight of a Keras layer or model is plain."""
+    plain = [w for w in weights if not isinstance(_backing(w), SafeVariable)]
+    if not plain:
+        return
+    shown = [
+        f"{getattr(w, 'path', None) or w.name} (created at "
+        f"{getattr(w, CREATED_AT_ATTRIBUTE, None) or 'an unrecorded place'})"
+        for w in plain[:_SHOWN]
+    ]
+    more = f", and {len(plain) - _SHOWN} more" if len(plain) > _SHOWN else ""
+    kind = "model" if hasattr(layer, "train_function") else "layer"
+    raise NotProtectedError(
+        f"{argument}: {kind} {layer.name!r} has {len(plain)} of its {len(weights)} weights "
+        "unprotected (plain tf.Variables: Keras' writes of them take no safevars lock and "
+        f"count no version, so this would guarantee nothing): {', '.join(shown)}{more}. "
+        f"Protect the {kind} once, before sharing it: safevars.protect({kind}) (or build it "
+        "inside safevars.scope()). To lock or read those variables anyway, pass them "
+        f"explicitly ({kind}.weights): they are then wrapped on the fly."
+    )
+
+
+def _weights_of(obj: Any, argument: str = "structure") -> list[Any] | None:
+    """The variables of a Keras layer or model (``weights``) or a ``tf.Module``, or None.
+
+    Raises:
+      NotProtectedError: a Keras layer or model with a weight that is not protected.
+    """
     keras = sys.modules.get("keras")
     if keras is not None and isinstance(obj, keras.layers.Layer):
-        return list(obj.weights)
+        weights = list(obj.weights)
+        _check_protected(obj, weights, argument)
+        return weights
     if isinstance(obj, tf.Module) and not isinstance(obj, tf.Variable):
         return list(obj.variables)
     return None
@@ -58,12 +94,14 @@ def as_safe_variables(structure: Any, argument: str) -> tuple[Any, list[SafeVari
     Raises:
       InvalidArgumentError: a leaf is something else, or the structure holds no
         variable at all (an unbuilt model has no weights yet).
+      NotProtectedError: a Keras layer or model in it has weights that are not
+        protected (built outside ``safevars.scope()`` and not ``safevars.protect`` -ed).
     """
     if type(structure) is SafeVariable:
         return structure, [structure]
 
     def expand(leaf: Any) -> Any:
-        weights = None if _backing(leaf) is not None else _weights_of(leaf)
+        weights = None if _backing(leaf) is not None else _weights_of(leaf, argument)
         return leaf if weights is None else weights
 
     expanded = tf.nest.map_structure(expand, structure)
@@ -87,6 +125,12 @@ def as_safe_variables(structure: Any, argument: str) -> tuple[Any, list[SafeVari
             )
         converted.append(wrap(leaf))
     return tf.nest.pack_sequence_as(expanded, converted), converted
+
+
+def existing_guard(variable: tf.Variable) -> Guard | None:
+    """The guard of a ``tf.Variable`` wrapped before (by :func:`wrap`, a SafeOptimizer
+    step or ``safevars.locked``), or None: a new wrap then makes one."""
+    return _GUARDS.get(id(variable))
 
 
 def wrap(variable: tf.Variable | Any) -> SafeVariable:

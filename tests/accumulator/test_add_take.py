@@ -14,6 +14,7 @@ from safevars.errors import (
     AccumulatorTimeoutError,
 )
 from tests.support.accumulator import as_int, hard_contributions
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 
@@ -209,11 +210,11 @@ class TestNumRequired:
         v = tf.Variable(tf.zeros([1]))
         acc = GradientAccumulator([v], num_required=4, reduction="sum")
         result = []
-        taker = threading.Thread(target=lambda: result.append(acc.take(timeout=60)))
+        taker = threading.Thread(target=lambda: result.append(acc.take(timeout=scaled(60))))
         taker.start()
         for i in range(4):
             acc.add([tf.constant([float(i)])])
-        taker.join(60)
+        taker.join(scaled(60))
         assert not taker.is_alive()
         np.testing.assert_array_equal(result[0][0], [6.0])
 

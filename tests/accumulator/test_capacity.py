@@ -17,6 +17,7 @@ import safevars
 from safevars.accumulator import GradientAccumulator
 from safevars.errors import AccumulatorFullError, InvalidArgumentError
 from tests.support.accumulator import state
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 SHAPE = [10, 3]
@@ -37,7 +38,7 @@ def lock_is_free(acc: GradientAccumulator) -> bool:
     done = []
     thread = threading.Thread(target=lambda: done.append(acc.add([tf.zeros(SHAPE)])))
     thread.start()
-    thread.join(timeout=30)
+    thread.join(timeout=scaled(30))
     return not thread.is_alive() and done == [1]
 
 

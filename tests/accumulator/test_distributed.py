@@ -25,7 +25,7 @@ from tests.distributed.scripts.script_common import hexes
 SEED = 11
 PS_WORKERS, PS_TASKS, PS_COUNT, PS_ROUNDS = 3, 2, 48, 40
 MWMS_WORKERS, MWMS_STEPS = 2, 3
-CLUSTER_TIMEOUT = 90.0  # Seconds for both clusters (all their processes) to finish.
+CLUSTER_TIMEOUT = 300.0  # Seconds for both clusters (all their processes) to finish.
 
 
 @pytest.fixture(scope="module", params=["one_row", "blocks"])

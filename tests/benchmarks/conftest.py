@@ -34,11 +34,13 @@ def family_package(
     Each test imports its own copy: the packages' modules are dropped afterwards, so
     module state (``bench_counted``'s build counter) starts afresh whatever ran before.
 
-    The runner's full garbage collection after each family is skipped: with TensorFlow
-    loaded it takes about 0.25 s, most of a run of fake families, which hold nothing to
-    collect.
+    The runner's full garbage collection after each case and family is skipped (and
+    so is its freeze of what is alive): with TensorFlow loaded it takes about 0.25 s,
+    most of a run of fake families, which hold nothing to collect.
     """
-    monkeypatch.setattr(runner, "gc", types.SimpleNamespace(collect=lambda: 0))
+    monkeypatch.setattr(
+        runner, "gc", types.SimpleNamespace(collect=lambda: 0, freeze=lambda: None)
+    )
     made: list[str] = []
 
     def make(name: str, sources: dict[str, str]) -> list[discovery.FamilyInfo]:

@@ -13,14 +13,20 @@ def test_data_pipelines_live_from_their_first_call_to_the_case_teardown(monkeypa
     # One warm-up call per extra instance, not three: warming is not what is tested here
     # (the next test is about it), and each call reads 1,024 elements.
     monkeypatch.setattr(bench_data, "WARMUP_CALLS", 1)
-    (batched, elements) = bench_data.cases(devices.make_context(CPU, quick=True))
-    for case, instances in ((batched, 1), (elements, bench_data.INSTANCES)):
-        pipelines = list(case.variants.values())
-        assert all(not p._reads for p in pipelines)  # nothing built with the case
-        assert all(math.isfinite(p()) for p in pipelines)  # a sum of features
-        assert all(len(p._reads) == instances for p in pipelines)
-        case.teardown()
-        assert all(not p._reads for p in pipelines)
+    for quick, single_element_instances in ((True, 1), (False, bench_data.INSTANCES)):
+        lazy = bench_data.cases(devices.make_context(CPU, quick=quick))
+        batched, elements = (case.build() for case in lazy)  # each built at its turn
+        _check_pipelines(batched, 1)
+        _check_pipelines(elements, single_element_instances)
+
+
+def _check_pipelines(case, instances):
+    pipelines = list(case.variants.values())
+    assert all(not p._reads for p in pipelines)  # nothing built with the case
+    assert all(math.isfinite(p()) for p in pipelines)  # a sum of features
+    assert all(len(p._reads) == instances for p in pipelines)
+    case.teardown()
+    assert all(not p._reads for p in pipelines)
 
 
 def test_data_pipeline_instances_are_read_in_blocks_after_a_warm_up():

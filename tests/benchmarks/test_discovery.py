@@ -79,3 +79,22 @@ def test_plot_against_is_read_statically_and_recorded(tmp_path, monkeypatch):
     assert schema.validate(document) == []
     del document["families"][0]["plot_against"]  # documents from before it stay valid
     assert schema.validate(document) == []
+
+
+def test_seconds_is_read_statically_and_bad_entries_are_ignored(tmp_path):
+    package = tmp_path / "secondsbench_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "bench_timed.py").write_text(
+        'FAMILY = "timed"\nSECONDS = {"full": 40, "quick": 2.5, "other": "long", "x": -1}\n'
+    )
+    (package / "bench_untimed.py").write_text('FAMILY = "untimed"\n')
+    timed, untimed = discovery.discover(package, "secondsbench_pkg")
+    assert timed.expected_seconds("full") == 40.0 and timed.expected_seconds("quick") == 2.5
+    assert timed.expected_seconds("other") is None
+    assert untimed.expected_seconds("full") is None
+
+
+def test_every_real_family_says_how_long_it_runs():
+    for family in discovery.discover():
+        assert family.expected_seconds("full") and family.expected_seconds("quick"), family.name

@@ -56,7 +56,7 @@ def test_runner_prints_logs_and_warnings_after_the_progress_line(family_package,
             clock=FakeClock([]),
         )
     lines = one_stream.getvalue().splitlines()
-    progress = [line for line in lines if line.startswith("[1/1 noisy] (")]
+    progress = [line for line in lines if line.startswith("[1/1 noisy | ") and " ... " in line]
     assert len(progress) == 2
     for line in progress:  # whole: the name, then the figures, nothing in between
         assert " ... " in line and " s: plain " in line and "WARNING" not in line, line

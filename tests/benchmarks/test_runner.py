@@ -4,6 +4,7 @@ verdicts, failures, ``--repeat``."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -148,8 +149,131 @@ def test_repeat_rebuilds_the_cases_and_pools_their_rounds(fake_package):
     safe = case["variants"][1]
     assert [e["build"] for e in safe["extra_rounds"]] == [1] * 3 + [2] * 3 + [3] * 3
     assert case["goal"]["rounds"] == 9 and case["goal"]["operator"] == ">="
-    assert "[repetition 3/3][1/1 counted]" in progress.getvalue()
+    assert "[repetition 3/3][1/1 counted | " in progress.getvalue()
     with pytest.raises(ValueError):
         runner.run_families(
             selected, devices.make_context(CPU, True), tiny_settings(), progress=progress, repeat=0
         )
+
+
+LAZY_FAMILY = {
+    "bench_lazy.py": """
+        import weakref
+        from benchmarks.case import Case, LazyCase
+        FAMILY = "lazy"
+        SECONDS = {"quick": 2, "full": 20}
+        EVENTS = []
+        ALIVE = []  # weak references to what each case built
+
+        class Model:  # stands for a Keras model and its traced functions
+            def __call__(self):
+                return 1
+
+        def build(name):
+            EVENTS.append(f"build {name}")
+            model = Model()
+            ALIVE.append(weakref.ref(model))
+            return Case("lazy", name, {"plain": lambda: 1, "safe": model},
+                        teardown=lambda: EVENTS.append(f"teardown {name}"))
+
+        def cases(ctx):
+            return [LazyCase("lazy", f"c{i}", lambda i=i: build(f"c{i}")) for i in range(3)]
+    """,
+}
+
+
+def test_a_lazy_case_is_built_at_its_turn_and_released_after_it(family_package):
+    (info,) = family_package("lazybench_pkg", LAZY_FAMILY)
+    import lazybench_pkg.bench_lazy as module
+
+    seen: list[list[str]] = []
+
+    def checkpoint(families):
+        (family,) = families
+        seen.append([case["name"] for case in family["cases"]])
+        # What a case built is gone by the time its result is written.
+        assert module.ALIVE and not any(ref() is not None for ref in module.ALIVE)
+
+    def release():
+        import gc
+
+        gc.collect()
+
+    (family,) = runner.run_families(
+        [info],
+        devices.make_context(CPU, True),
+        tiny_settings(),
+        progress=io.StringIO(),
+        clock=FakeClock([]),
+        checkpoint=checkpoint,
+        release=release,
+    )
+    assert module.EVENTS == [
+        "build c0",
+        "teardown c0",
+        "build c1",
+        "teardown c1",
+        "build c2",
+        "teardown c2",
+    ]
+    assert seen == [["c0"], ["c0", "c1"], ["c0", "c1", "c2"], ["c0", "c1", "c2"]]
+    for case in family["cases"]:
+        assert set(case["phases_s"]) == set(runner.PHASES)
+        assert case["variants"][0]["name"] == "plain" and case["baseline"] == "plain"
+
+
+def test_a_failing_build_fails_its_case_only(family_package):
+    (info,) = family_package(
+        "lazyfailbench_pkg",
+        {
+            "bench_lazyfail.py": """
+                from benchmarks.case import Case, LazyCase
+                FAMILY = "lazyfail"
+                def broken():
+                    raise MemoryError("no room for the model")
+                def cases(ctx):
+                    return [LazyCase("lazyfail", "bad", broken),
+                            LazyCase("lazyfail", "good",
+                                     lambda: Case("lazyfail", "good", {"plain": int}))]
+            """
+        },
+    )
+    (family,) = runner.run_families(
+        [info], devices.make_context(CPU, True), tiny_settings(), io.StringIO(), FakeClock([])
+    )
+    bad, good = family["cases"]
+    assert (bad["name"], bad["status"], good["status"]) == ("bad", "failed", "ok")
+    assert "MemoryError: no room for the model" in bad["error"]
+    assert family["status"] == "failed"
+
+
+def test_resume_keeps_finished_cases_and_adds_missing_repetitions(fake_package):
+    selected = discovery.select(fake_package, "alpha,counted")
+    ctx = devices.make_context(CPU, True)
+    first = runner.run_families(selected, ctx, tiny_settings(), io.StringIO(), FakeClock([]))
+    # As if interrupted in the second of three passes: alpha done twice, counted once.
+    alpha, counted = (json.loads(json.dumps(f)) for f in first)
+    twice = runner.run_families(
+        selected[:1], ctx, tiny_settings(), io.StringIO(), FakeClock([]), repeat=2
+    )
+    alpha = json.loads(json.dumps(twice[0]))
+    progress = io.StringIO()
+    resumed = runner.run_families(
+        selected,
+        ctx,
+        tiny_settings(),
+        progress,
+        FakeClock([]),
+        repeat=3,
+        previous=[alpha, counted],
+    )
+    for family in resumed:
+        (case,) = family["cases"]
+        assert case["repetitions"] == 3
+        assert all(v["rounds_per_repetition"] == [3, 3, 3] for v in case["variants"])
+    (pair,) = resumed[1]["cases"]
+    builds = [e["build"] for e in pair["variants"][1]["extra_rounds"]]
+    # The first run's rounds, then those of passes 2 and 3 (cases(ctx) of build 2 made
+    # the resumed pass 1, whose case was skipped).
+    assert builds == [1] * 3 + [3] * 3 + [4] * 3
+    assert "1 of 1 case(s) kept from the run resumed" in progress.getvalue()

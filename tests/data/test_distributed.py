@@ -24,7 +24,7 @@ MWMS_WORKERS, LOCAL_REPLICAS = 2, 2
 SPREAD = dict(size=23, batch=2)  # tests/distributed/scripts/data_mwms.py's cases
 SHORT = dict(size=21, batch=5)
 PS_WORKERS, PS_SIZE, PS_BATCH = 3, 50, 2
-TIMEOUT = 150.0  # Seconds for both clusters together; a bound on a hang, not a timing check.
+TIMEOUT = 300.0  # Seconds for both clusters together; a bound on a hang, not a timing check.
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import portpicker
 
+from tests.support.deadlines import scaled
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -114,7 +116,8 @@ def run_together(
     """Starts every command at once with this Python; returns their JSON results in order.
 
     Fails if any process exits non-zero or the group is not done within ``timeout``
-    seconds; every process still running then is killed, and once one process failed
+    seconds at scale 1 (multiplied by ``SAFEVARS_TEST_TIMEOUT_SCALE``, see
+    ``tests/support/deadlines.py``); every process still running then is killed, and once one process failed
     the others are killed 5 s later (a worker whose peer died waits forever on its
     collectives). With ``dump_after``, each command gets ``--dump-after T`` (10 s
     before the deadline): a script that supports it prints its threads' stacks and
@@ -126,7 +129,7 @@ def run_together(
     up to ``ATTEMPTS`` times; so does a group whose coordinator hit TensorFlow's
     transport error ``_TRANSPORT_FAILED`` after a worker was killed on purpose.
     """
-    return _run_retrying(lambda: commands, timeout, dump_after)
+    return _run_retrying(lambda: commands, scaled(timeout), dump_after)
 
 
 def _run_retrying(
@@ -159,7 +162,8 @@ def run_on_ports(
     dump_after: bool = False,
 ) -> list[dict]:
     """:func:`run_together` of ``commands(ports)``, ``ports`` ``count`` free 127.0.0.1
-    ports joined by commas (a MultiWorkerMirroredStrategy cluster's ``TF_CONFIG``).
+    ports joined by commas (a MultiWorkerMirroredStrategy cluster's ``TF_CONFIG``);
+    ``timeout`` is scaled as there.
 
     A port found free can be taken by another process before a server binds it (another
     cluster starting at the same time, such as the parameter-server script a test runs
@@ -170,4 +174,4 @@ def run_on_ports(
     def on_fresh_ports() -> list[list[str]]:
         return commands(",".join(str(portpicker.pick_unused_port()) for _ in range(count)))
 
-    return _run_retrying(on_fresh_ports, timeout, dump_after)
+    return _run_retrying(on_fresh_ports, scaled(timeout), dump_after)

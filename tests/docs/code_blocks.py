@@ -24,12 +24,15 @@ import time
 import traceback
 from pathlib import Path
 
+from tests.support.deadlines import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The Markdown files whose blocks run: the README and the documentation site's pages.
 DOCUMENTS = ("README.md", "docs/**/*.md")
 #: A hang bound, not a timing assertion (CONTRIBUTING.md, "Thread tests"): blocks are
-#: written to take about 10 s on 2 cores, TensorFlow's import included.
-TIMEOUT_S = 120.0
+#: written to take about 10 s on 2 cores, TensorFlow's import included. Scaled by
+#: ``SAFEVARS_TEST_TIMEOUT_SCALE``.
+TIMEOUT_S = scaled(240.0)
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _FRAGMENT = re.compile(r"^\s*<!-- fragment(?::\s*(?P<reason>.*?))?\s*-->\s*$")

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 
@@ -261,7 +262,7 @@ def test_accumulator_locked_holds_contributions_still():
         t.start()
         assert not added.wait(0.3)  # the add waits for the lock
         assert acc.count == 0
-    t.join(30)
+    t.join(scaled(30))
     assert added.is_set() and acc.count == 1
     with acc.locked():
         with pytest.raises(safevars.LockTimeoutError):  # another thread cannot take it

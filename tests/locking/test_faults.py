@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.deadlines import scaled
 from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
@@ -42,7 +43,7 @@ def _inject(thread: threading.Thread) -> None:
 
 
 def _wait_until(predicate, what: str, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + scaled(limit)
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.0002)
@@ -63,7 +64,7 @@ def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[i
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        start.wait(timeout=30)
+        start.wait(timeout=scaled(30))
         while True:
             try:
                 ready[k] = True
@@ -80,7 +81,7 @@ def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[i
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
     for t in threads:
         t.start()
-    start.wait(timeout=30)
+    start.wait(timeout=scaled(30))
     for _ in range(injections):
         k = rng.randrange(workers)
         _wait_until(lambda k=k: ready[k], f"worker {k} to be ready")
@@ -89,7 +90,7 @@ def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[i
         _inject(threads[k])
         _wait_until(lambda k=k, b=before: caught[k] > b and ready[k], f"worker {k} to catch")
     stop.set()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a worker hung after the injections"
@@ -234,14 +235,14 @@ def test_sigint_in_a_process_never_orphans_a_lock():
             return stderr.read()[-6000:]
 
         try:
-            assert next_line(120) == "ready", child_state()
+            assert next_line(scaled(120)) == "ready", child_state()
             for sent in range(40):
                 time.sleep(rng.random() * 0.02)
                 # CPython can run the SIGINT handler inside some object's finalizer, which
                 # swallows the KeyboardInterrupt ("Exception ignored in ..."): send again.
                 for _attempt in range(5):
                     child.send_signal(signal.SIGINT)
-                    line = next_line(10)
+                    line = next_line(scaled(10))
                     if line is not None:
                         break
                 assert line == "ready", (
@@ -250,8 +251,8 @@ def test_sigint_in_a_process_never_orphans_a_lock():
                 )
             child.stdin.write("stop\n")
             child.stdin.flush()
-            result = json.loads(next_line(180) or "{}")
-            assert child.wait(timeout=120) == 0, child_state()
+            result = json.loads(next_line(scaled(180)) or "{}")
+            assert child.wait(timeout=scaled(120)) == 0, child_state()
         finally:
             if child.poll() is None:
                 child.kill()
@@ -263,7 +264,7 @@ def test_sigint_in_a_process_never_orphans_a_lock():
 def _in_thread(fn, name: str = "holder") -> threading.Thread:
     t = threading.Thread(target=fn, name=name, daemon=True)
     t.start()
-    t.join(30)
+    t.join(scaled(30))
     assert not t.is_alive()
     return t
 
@@ -345,7 +346,7 @@ def test_a_section_opened_by_a_takeover_is_never_read_half_written():
                 inside.set()
                 done.set()
             return
-        assert inside.wait(30)
+        assert inside.wait(scaled(30))
         while True:
             finished = done.is_set()
             x, y = safevars.snapshot([a, b])
@@ -372,18 +373,18 @@ def test_closing_a_kept_context_from_another_thread_releases_all_its_locks():
         cm.__enter__()
         kept.append(cm)
         entered.set()
-        release.wait(30)
+        release.wait(scaled(30))
 
     t = threading.Thread(target=holder, daemon=True)
     t.start()
-    assert entered.wait(30)
+    assert entered.wait(scaled(30))
     assert x.statistics().locked and y.statistics().locked
     kept[0].__exit__(None, None, None)  # From the main thread.
     assert not x.statistics().locked and not y.statistics().locked
     assert safevars.held_locks() == []
     run_threads(2, lambda i: (x, y)[i].assign_add(1.0))
     release.set()
-    t.join(30)
+    t.join(scaled(30))
     assert (x.version, y.version) == (1, 1)
 
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.deadlines import scaled
 from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
@@ -321,16 +322,16 @@ class _Holder:
             target=self._run, args=variables, name="stuck-holder", daemon=True
         )
         self.thread.start()
-        assert self.entered.wait(30)
+        assert self.entered.wait(scaled(30))
 
     def _run(self, *variables):
         with safevars.locked(*variables):  # the line held_locks() must name
             self.entered.set()
-            self.release.wait(60)
+            self.release.wait(scaled(60))
 
     def stop(self):
         self.release.set()
-        self.thread.join(30)
+        self.thread.join(scaled(30))
         assert not self.thread.is_alive()
 
 
@@ -375,7 +376,7 @@ def test_a_timeout_names_the_holder_and_changes_nothing(call, runtime):
         holder.stop()
     assert safevars.held_locks() == []
     version = v.version
-    v.update(lambda x: x + 1.0, timeout=5)  # and the lock works afterwards
+    v.update(lambda x: x + 1.0, timeout=scaled(5))  # and the lock works afterwards
     assert v.version == version + 1
 
 
@@ -388,7 +389,7 @@ def test_a_timeout_waiting_for_a_running_graph_names_it_and_releases_later():
 
     def block(x):
         inside.set()
-        release.wait(60)
+        release.wait(scaled(60))
         return x
 
     @tf.function(autograph=False)
@@ -401,16 +402,16 @@ def test_a_timeout_waiting_for_a_running_graph_names_it_and_releases_later():
 
     runner = threading.Thread(target=slow_write, daemon=True)
     runner.start()
-    assert inside.wait(60)
+    assert inside.wait(scaled(60))
     try:
         with pytest.raises(safevars.LockTimeoutError, match="running tf.function"):
             v.update(lambda x: x + 10.0, timeout=0.3)
         assert not v.statistics().locked  # the eager lock was given back
     finally:
         release.set()
-        runner.join(60)
+        runner.join(scaled(60))
     assert not runner.is_alive()
-    v.update(lambda x: x + 1.0, timeout=10)  # the abandoned MutexLock was released
+    v.update(lambda x: x + 1.0, timeout=scaled(10))  # the abandoned MutexLock was released
     assert float(v.numpy()) == 2.0 and v.version == 2
 
 

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import safevars
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 
@@ -49,7 +50,7 @@ def test_a_graph_taking_the_mutex_waits_for_an_eager_holder_without_it():
                 time.sleep(0.5)  # the other thread traces and runs its graph meanwhile
                 seen.append(float(v.numpy()))
             return
-        assert inside.wait(60)
+        assert inside.wait(scaled(60))
         graph_add = tf.function(lambda: v.assign_add(10.0), autograph=False)
         graph_add()  # its trace switches the lock to take the mutex eagerly
         traced.set()

@@ -23,7 +23,7 @@ from tests.distributed.cluster_harness import run_on_ports, run_together, script
 
 PS_WORKERS, PS_STEPS, PS_TRAIN_STEPS, PS_ACCUMULATE_CALLS = 3, 60, 90, 24
 MWMS_WORKERS, MWMS_STEPS = 2, 8
-CLUSTER_TIMEOUT = 120.0  # Seconds for one cluster (all its processes) to finish.
+CLUSTER_TIMEOUT = 300.0  # Seconds for one cluster (all its processes) to finish.
 
 
 @pytest.fixture(scope="module")

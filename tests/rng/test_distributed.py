@@ -21,7 +21,7 @@ from tests.distributed.scripts.script_common import hexes
 SEED, OTHER_SEED = 2024, 7
 PS_WORKERS, PS_STEPS, PS_TASKS = 3, 24, (1, 2)
 MWMS_WORKERS, MWMS_STEPS = 2, 3
-CLUSTER_TIMEOUT = 60.0  # Seconds for one cluster (all its processes) to finish.
+CLUSTER_TIMEOUT = 300.0  # Seconds for one cluster (all its processes) to finish.
 
 
 @pytest.fixture(scope="module")

@@ -361,15 +361,18 @@ def test_joined_writes_are_atomic_for_readers_and_other_writers():
 
 
 def test_a_run_time_failure_inside_a_joined_section_releases_the_lock():
-    """A fault in the second of two joined writes (a reshape that fails when it runs):
-    the first write stays made, the second is not, and the mutex is free afterwards for
-    an eager writer and for another traced section (each in a bounded wait)."""
+    """A fault in the second of two joined writes (a reshape that fails when it runs, of
+    a value read in the section, so it runs there: a computation on the function's
+    inputs alone may run before the lock is taken): the first write stays made, the
+    second is not, and the mutex is free afterwards for an eager writer and for another
+    traced section (each in a bounded wait)."""
     v = SafeVariable(0.0)
 
     @tf.function(autograph=False)
     def second_fails(parts):
         v.assign_add(1.0, read_value=False)
-        v.update(lambda x: x + tf.reshape(parts, []))  # fails unless parts has 1 element
+        # fails unless parts has 1 element
+        v.update(lambda x: x + tf.reshape(parts + 0.0 * x, []))
 
     @tf.function(autograph=False)
     def add_two():

@@ -148,7 +148,8 @@ def _quadratic(lock_span: str):
     w = tf.Variable(np.full([64], 1.0, np.float32))
     opt = SafeOptimizer(keras.optimizers.SGD(0.01), lock_span=lock_span)
     opt.build([w])
-    wide = tf.ones([192, 192])
+    # A variable, not a constant: Grappler would fold the products of a constant away.
+    wide = tf.Variable(tf.ones([192, 192]))
 
     @tf.function(autograph=False)
     def step():

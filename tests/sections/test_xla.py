@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
 THREADS = 4
@@ -157,7 +158,7 @@ def test_a_compiled_call_waits_for_an_eager_section(caller):
                     finished.wait(0.3)
                     v.assign(x + 1.0)
             else:
-                assert inside.wait(60)
+                assert inside.wait(scaled(60))
                 call()
                 finished.set()
 

@@ -13,9 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from tests.support.deadlines import scaled
+
 T = TypeVar("T")
 
-JOIN_TIMEOUT = 120.0
+#: The bound, in seconds, on every join of one call (a deadlock detector, far above the
+#: few seconds a thread test takes; scaled by ``SAFEVARS_TEST_TIMEOUT_SCALE``).
+JOIN_TIMEOUT = scaled(120.0)
 
 
 def join_all(threads: Sequence[threading.Thread], timeout: float | None = None) -> list[str]:
@@ -23,13 +27,18 @@ def join_all(threads: Sequence[threading.Thread], timeout: float | None = None) 
 
     Args:
       threads: Started threads.
-      timeout: Seconds for all of them together; ``JOIN_TIMEOUT`` (read at call time, so
-        a test may monkeypatch it) if None.
+      timeout: Seconds for all of them together at scale 1 (multiplied by
+        ``SAFEVARS_TEST_TIMEOUT_SCALE``); ``JOIN_TIMEOUT`` (read at call time, so a test
+        may monkeypatch it) if None.
 
     Returns:
       The names of the threads still alive at the deadline (empty when all finished).
     """
-    budget = JOIN_TIMEOUT if timeout is None else timeout
+    return _join_by(threads, JOIN_TIMEOUT if timeout is None else scaled(timeout))
+
+
+def _join_by(threads: Sequence[threading.Thread], budget: float) -> list[str]:
+    """:func:`join_all` with ``budget`` seconds as given (already scaled)."""
     deadline = time.monotonic() + budget
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -39,38 +48,57 @@ def join_all(threads: Sequence[threading.Thread], timeout: float | None = None) 
 def run_threads(n: int, target: Callable[..., Any], *args: Any) -> None:
     """Runs ``target(index, *args)`` in ``n`` threads released together by a barrier.
 
-    Fails if a thread is still alive ``JOIN_TIMEOUT`` seconds after the threads started
-    (one deadline for all of them: a deadlock) and re-raises the first exception a worker
-    raised.
+    Re-raises the first exception a worker raised as soon as it is raised: the threads
+    still running then (waiting on a barrier of the test for the failed worker, or on a
+    lock it left held) do not turn it into a timeout; they are named in a note on the
+    exception (Python 3.11+) and left behind (daemon threads). Fails if no worker failed
+    and one is still alive ``JOIN_TIMEOUT`` seconds after the threads started (one
+    deadline for all of them: a deadlock).
     """
     budget = JOIN_TIMEOUT
+    deadline = time.monotonic() + budget
     barrier = threading.Barrier(n)
-    errors: list[BaseException] = []
+    errors: list[tuple[threading.Thread, BaseException]] = []
+    settled = threading.Event()  # a worker failed, or every worker ended
+    count_lock = threading.Lock()
+    running = [n]
 
     def worker(index: int) -> None:
         try:
             barrier.wait(timeout=budget)
             target(index, *args)
         except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+            errors.append((threading.current_thread(), e))
+            settled.set()
+        finally:
+            with count_lock:
+                running[0] -= 1
+                if running[0] == 0:
+                    settled.set()
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    alive = join_all(threads, budget)
-    assert not alive, f"threads still running after {budget}s in all (deadlock?): {alive}"
+    settled.wait(budget)
     if errors:
-        raise errors[0]
+        failed, first = errors[0]
+        alive = [t.name for t in threads if t.is_alive() and t is not failed]
+        if alive and hasattr(first, "add_note"):  # Python 3.11+
+            first.add_note(f"run_threads: raised by a worker; still running then: {alive}")
+        raise first
+    alive = _join_by(threads, max(0.0, deadline - time.monotonic()))
+    assert not alive, f"threads still running after {budget}s in all (deadlock?): {alive}"
 
 
 def call_bounded(fn: Callable[[], T], timeout: float | None = None) -> T:
     """Returns ``fn()`` run in a fresh thread, failing if it has not returned in time.
 
     For a body that could wait on a lock its own thread holds: the test fails after
-    ``timeout`` seconds (``JOIN_TIMEOUT`` if None) instead of hanging. The stuck thread
-    is a daemon and is left behind. Whatever ``fn`` raises is re-raised here.
+    ``timeout`` seconds at scale 1 (multiplied by ``SAFEVARS_TEST_TIMEOUT_SCALE``;
+    ``JOIN_TIMEOUT`` if None) instead of hanging. The stuck thread is a daemon and is
+    left behind. Whatever ``fn`` raises is re-raised here, as soon as it is raised.
     """
-    budget = JOIN_TIMEOUT if timeout is None else timeout
+    budget = JOIN_TIMEOUT if timeout is None else scaled(timeout)
     outcome: dict[str, Any] = {}
 
     def body() -> None:
@@ -81,7 +109,7 @@ def call_bounded(fn: Callable[[], T], timeout: float | None = None) -> T:
 
     thread = threading.Thread(target=body, name=getattr(fn, "__name__", "body"), daemon=True)
     thread.start()
-    alive = join_all([thread], budget)
+    alive = _join_by([thread], budget)
     assert not alive, (
         f"{alive[0]} still running after {budget}s: it waits on something that never "
         "comes (a thread waiting on a lock it holds itself?)"

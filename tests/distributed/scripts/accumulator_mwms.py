@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from loopback import set_tf_config  # same directory
-from script_common import parse, parser
+from script_common import parse, parser, scaled
 
 
 def main() -> None:
@@ -117,7 +117,7 @@ def main() -> None:
     counted.reset()
     worker_row = tf.fill([6], float(args.index + 1))
     per_replica_added = counted.add([ds_values.PerReplica((g,)) for g in split(worker_row)])
-    per_replica_take = [t.numpy().tolist() for t in counted.take(timeout=60)]
+    per_replica_take = [t.numpy().tolist() for t in counted.take(timeout=scaled(60))]
     per_replica_statistics = list(counted.statistics())
 
     # -- One worker's gradient is not finite: every worker refuses the step --------------

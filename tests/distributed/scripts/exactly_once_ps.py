@@ -49,10 +49,12 @@ import traceback
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from loopback import ps_spec, serve, start_servers  # noqa: E402  (same directory)
+from script_common import scaled  # noqa: E402
 
 WORKERS = 3
 KILLABLE = (1, 2)
-WAIT_SECONDS = 60.0  # Bound on every wait for the cluster (a failure, not a timing check).
+# Bound on every wait for the cluster (a failure, not a timing check), scaled.
+WAIT_SECONDS = scaled(120.0)
 
 
 class Workers:

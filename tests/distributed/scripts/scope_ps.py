@@ -12,7 +12,8 @@ takes a snapshot of the model and writes the bias, each in a ``tf.function``. Wi
 on the order of the steps, only on whether each step's read-modify-write of the momentum
 slot, the weight and ``iterations`` was atomic: it must equal a serial run, and every
 version must count the steps. The same run without ``safevars.scope()`` is reported for
-comparison (scheduler-dependent).
+comparison (scheduler-dependent), and a third run builds the model and optimizer plainly,
+then protects them with ``safevars.protect`` under ``strategy.scope()``, before training.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ FEATURES = 4
 LR, MOMENTUM = 0.01, 0.9
 
 
-def train(strategy, coordinator, steps: int, safe: bool) -> dict:
-    with strategy.scope(), safevars.scope() if safe else contextlib.nullcontext():
+def train(strategy, coordinator, steps: int, how: str) -> dict:
+    """``how``: "plain", "scope" (built inside safevars.scope()) or "protect"."""
+    safe = how != "plain"
+    with strategy.scope(), safevars.scope() if how == "scope" else contextlib.nullcontext():
         model = keras.Sequential(
             [keras.Input((FEATURES,)), keras.layers.Dense(1, kernel_initializer="zeros")]
         )
         optimizer = keras.optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
         optimizer.build(model.trainable_variables)
+        if how == "protect":
+            safevars.protect([model, optimizer])
     grads = [tf.ones([FEATURES, 1]), tf.ones([1])]
 
     @tf.function
@@ -87,8 +92,9 @@ def main() -> None:
         start_in_process_cluster(args.workers, 1)
     )
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    plain = train(strategy, coordinator, args.steps, safe=False)
-    safe = train(strategy, coordinator, args.steps, safe=True)
+    plain = train(strategy, coordinator, args.steps, "plain")
+    safe = train(strategy, coordinator, args.steps, "scope")
+    protected = train(strategy, coordinator, args.steps, "protect")
 
     # The serial reference: the same optimizer, the same steps, one after the other.
     kernel, bias = tf.Variable(tf.zeros([FEATURES, 1])), tf.Variable(tf.zeros([1]))
@@ -102,6 +108,7 @@ def main() -> None:
                 "steps": args.steps,
                 "plain": plain,
                 "safe": safe,
+                "protected": protected,
                 "reference": {
                     "kernel": kernel.numpy().ravel().tolist(),
                     "bias": bias.numpy().ravel().tolist(),

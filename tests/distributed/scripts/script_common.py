@@ -1,4 +1,5 @@
-"""What the cluster scripts share: their command-line header, hang dumps, results as text.
+"""What the cluster scripts share: their command-line header, hang dumps, results as text,
+and deadlines scaled as the tests' are.
 
 Every script prints one JSON line that a test reads (``tests/distributed/cluster_harness.py``);
 arrays go into it as the hex of their bytes, so a test compares them bitwise, and a
@@ -10,8 +11,18 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
+import runpy
 from collections.abc import Callable, Iterable
 from typing import Any
+
+#: Seconds times ``SAFEVARS_TEST_TIMEOUT_SCALE`` (inherited from the test's environment):
+#: ``tests/support/deadlines.py``, run from its file, since the scripts run outside the
+#: ``tests`` package (putting the checkout on ``sys.path`` would make them import its
+#: safevars instead of the installed one, and the version matrix tests a wheel).
+scaled: Callable[[float], float] = runpy.run_path(
+    os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "support", "deadlines.py")
+)["scaled"]
 
 
 def parser(worker: bool = False, seed: bool = False) -> argparse.ArgumentParser:
