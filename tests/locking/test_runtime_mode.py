@@ -17,6 +17,9 @@ import pytest
 import tensorflow as tf
 
 import safevars
+from safevars import _tf_internal as tfi
+from safevars import locking
+from safevars.sections import graph_section
 from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
@@ -204,3 +207,109 @@ def test_a_cached_batched_snapshot_does_not_keep_locks_in_run_time_mode():
     add()  # new mutexes: the cached reader of the old ones must not be used
     snaps = safevars.snapshot(vs)
     assert [(float(s.numpy()), s.version) for s in snaps] == [(i + 3.0, 3) for i in range(10)]
+
+
+def test_eager_sections_stop_taking_the_tf_mutex_once_the_last_graph_is_freed(monkeypatch):
+    """Measures the mode by what eager sections do: every ``MutexLock`` run eagerly is
+    counted. In run-time mode each eager section takes the lock's TF mutex; after the
+    last function using the lock is freed, one section switches back (it takes the mutex
+    once, to wait for a graph still running) and the next ones take none."""
+    taken: list[object] = []
+    real = tfi.mutex_lock
+
+    def counting(*args: object, **kwargs: object) -> object:
+        if tf.executing_eagerly():
+            taken.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tfi, "mutex_lock", counting)
+    v = safevars.SafeVariable(0.0)
+    for _ in range(3):
+        v.assign_add(1.0)
+    assert taken == []  # eager mode: the Python lock alone
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    for _ in range(3):
+        v.assign_add(1.0)
+        v.update(lambda x: x + 1.0)
+    assert len(taken) == 6  # run-time mode: one MutexLock per eager section
+    del add
+    gc.collect()
+    taken.clear()
+    for _ in range(3):
+        v.assign_add(1.0)
+        v.update(lambda x: x + 1.0)
+    assert len(taken) == 1  # the switch back's; then none
+    assert v.guard.lock.cs is None and _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (16.0, 16)
+
+
+def test_joint_versions_are_kept_exactly_across_the_switch_back():
+    """Versions that live partly in a joint counter (what an optimizer's weights and
+    slots share) come back into Python as the same numbers, and go on from there."""
+    a, b = safevars.SafeVariable(0.0), safevars.SafeVariable(0.0)
+    guards = [a.guard, b.guard]
+    assert locking.share_lock(guards) and locking.join_versions(guards)
+
+    def both() -> None:  # a write of both counted once on the joint counter
+        def body() -> object:
+            written = tf.group(a.__wrapped__.assign_add(1.0), b.__wrapped__.assign_add(1.0))
+            locking.bump_graph_together(guards, written)
+            return written
+
+        graph_section(guards, body)
+
+    step = tf.function(both, autograph=False)
+    step()
+    step()
+    a.assign_add(1.0)  # eager, in run-time mode: a's own count
+    assert a.guard.joint.value() == 2 and (a.version, b.version) == (3, 2)
+    del step
+    gc.collect()
+    b.assign_add(1.0)  # switches back, then counts in Python
+    assert _mode(a) == (False, False, 0)
+    assert (a.version, b.version) == (3, 3)
+    assert [(float(s.numpy()), s.version) for s in safevars.snapshot([a, b])] == [(3.0, 3)] * 2
+    step = tf.function(both, autograph=False)
+    step()  # run-time mode again: the versions move into variables unchanged
+    assert (a.version, b.version) == (4, 4)
+    read = tf.function(lambda: (a.version, b.version), autograph=False)
+    assert [int(x) for x in read()] == [4, 4]
+
+
+def test_a_graph_traced_while_the_lock_switches_back_stays_exact():
+    """Round after round, the lock's last function is dropped; then one thread writes
+    eagerly (its first section switches the lock back) while another traces a new
+    function over the lock and calls it, and a third writes eagerly too. Whichever comes
+    first, the new graph either keeps run-time mode or waits for the switch and gets a
+    mutex of its own: no update is lost and value equals version after every round."""
+    v = safevars.SafeVariable(0.0)
+    keep = [tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)]
+    keep[0]()
+    total = 1
+    rounds, calls = 25, 8
+    for round_index in range(rounds):
+        keep.clear()
+        gc.collect()
+        assert v.statistics().graph_uses == 0
+
+        def work(index: int, round_index: int = round_index) -> None:
+            if index == 1:
+                for _ in range(round_index % 4):  # (the trace starts a little later)
+                    with safevars.locked(v):
+                        pass
+                step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+                for _ in range(calls):
+                    step()
+                keep.append(step)
+            else:
+                for _ in range(calls):
+                    v.update(lambda x: x + 1.0)
+
+        run_threads(3, work)
+        total += 3 * calls
+        assert _mode(v) == (True, True, 1)  # the new function is alive
+        assert (float(v.numpy()), v.version) == (float(total), total), round_index
+        with safevars.locked(v):  # an eager section with the function alive: no switch
+            pass
+        assert _mode(v) == (True, True, 1)
