@@ -10,6 +10,7 @@ it too, and that switch waits for every eager holder that did not.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 
@@ -21,7 +22,7 @@ from safevars import _tf_internal as tfi
 from safevars import locking
 from safevars.sections import graph_section
 from tests.support.deadlines import scaled
-from tests.support.threading_harness import run_threads
+from tests.support.threading_harness import call_bounded, run_threads
 
 
 def test_a_lock_only_xla_functions_use_takes_no_mutex_eagerly():
@@ -306,10 +307,45 @@ def test_a_graph_traced_while_the_lock_switches_back_stays_exact():
                 for _ in range(calls):
                     v.update(lambda x: x + 1.0)
 
-        run_threads(3, work)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch every few bytecodes: more interleavings
+        try:
+            run_threads(3, work)
+        finally:
+            sys.setswitchinterval(interval)
         total += 3 * calls
         assert _mode(v) == (True, True, 1)  # the new function is alive
         assert (float(v.numpy()), v.version) == (float(total), total), round_index
         with safevars.locked(v):  # an eager section with the function alive: no switch
             pass
         assert _mode(v) == (True, True, 1)
+
+
+def test_a_graph_traced_just_before_the_switch_back_keeps_run_time_mode(monkeypatch):
+    """The narrowest case of the race above, made to happen: a thread traces a function
+    over the lock after an eager section has seen no graph using it and before the
+    switch back begins. That function keeps its mutex: the switch back gives up, eager
+    sections keep taking the mutex, and nothing is lost."""
+    from safevars.locking import acquisition
+
+    v = safevars.SafeVariable(0.0)
+    first = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    first()
+    del first
+    gc.collect()
+    leave = acquisition.LEAVE_RUNTIME[0]
+    traced: list[object] = []
+
+    def trace_first(lock: object) -> None:
+        if not traced:  # a graph traced in another thread, at this very point
+            step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+            call_bounded(lambda: step.get_concrete_function(), timeout=120)
+            traced.append(step)
+        leave(lock)
+
+    monkeypatch.setattr(acquisition, "LEAVE_RUNTIME", [trace_first])
+    v.assign_add(1.0)  # sees no graph, then one is traced before the switch back
+    assert traced and _mode(v) == (True, True, 1)
+    run_threads(4, lambda i: [traced[0]() if i % 2 else v.assign_add(1.0) for _ in range(50)])
+    assert (float(v.numpy()), v.version) == (202.0, 202)
+    assert _mode(v) == (True, True, 1)
