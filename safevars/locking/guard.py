@@ -253,9 +253,12 @@ class Guard:
         The kernel directly, not ``ResourceVariable.assign_add`` (the same op, traced in
         a third of the time: every traced write makes one).
         """
+        # ``writes`` is an int or an int64 tensor; made before the control dependencies,
+        # a constant carries none (the add alone waits for ``after``).
+        count = tf.convert_to_tensor(writes, tf.int64)
         with tf.control_dependencies([after] if after is not None else []):
             return tfi.gen_resource_variable_ops.assign_add_variable_op(
-                self.version_var.handle, tf.constant(writes, tf.int64)
+                self.version_var.handle, count
             )
 
     def sync_version_var(self) -> None:
