@@ -179,6 +179,7 @@ __all__ = [
     "FuncGraph",
     "NotOkStatusException",
     "ResourceVariable",
+    "anonymous_name",
     "autograph_config",
     "autograph_source_map",
     "call_each",
@@ -218,6 +219,7 @@ __all__ = [
     "raise_from_not_ok_status",
     "read_eagerly",
     "read_value_op",
+    "resource_deleter",
     "resource_variable_ops",
     "same_answer_for_every_proxy",
     "saved_model_loader",
@@ -228,6 +230,9 @@ __all__ = [
 ]
 
 ConcreteFunction = concrete_function.ConcreteFunction
+# The shared_name that makes a resource op create a new, uniquely named resource each
+# time it runs (what eager ResourceVariables use): one eager kernel for them all.
+anonymous_name = _context.anonymous_name
 eager_context_module = _context
 executing_eagerly = _context.executing_eagerly
 fast_execute = pywrap_tfe.TFE_Py_FastPathExecute
@@ -238,6 +243,13 @@ mutex_lock = gen_resource_variable_ops.mutex_lock
 consume_mutex_lock = gen_resource_variable_ops.consume_mutex_lock
 colocate_with = ops.colocate_with
 default_graph = ops.get_default_graph
+
+
+def resource_deleter(handle: Any, device: str) -> Any:
+    """An object that destroys the eager resource ``handle`` (on ``device``) when it is
+    garbage-collected: the deleter TensorFlow's own resource variables own
+    (``resource_variable_ops.EagerResourceDeleter``, a ``DestroyResourceOp``)."""
+    return resource_variable_ops.EagerResourceDeleter(handle, device)
 
 
 def eager_context() -> Any:

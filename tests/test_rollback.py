@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
 
@@ -27,7 +28,7 @@ def _runtime_variable(value: float) -> tuple[SafeVariable, tf.types.experimental
     version) at graph run time.
     """
     v = SafeVariable(value)
-    tf.function(lambda: v.assign_add(1.0), autograph=False)()
+    kept_with(v, tf.function(lambda: v.assign_add(1.0), autograph=False))()
     assert v.statistics().runtime_mode and v.version == 1
 
     @tf.function(autograph=False)

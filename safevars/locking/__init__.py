@@ -107,7 +107,11 @@ from safevars.locking.ownership import _current_thread as _current_thread
 from safevars.locking.ownership import _held as _held
 from safevars.locking.ownership import _holding as _holding
 from safevars.locking.runtime_mode import ensure_runtime as ensure_runtime
+from safevars.locking.runtime_mode import forget_uses as forget_uses
+from safevars.locking.runtime_mode import pin as pin
 from safevars.locking.runtime_mode import undo_runtime as undo_runtime
+from safevars.locking.runtime_mode import unuse_in_graph as unuse_in_graph
+from safevars.locking.runtime_mode import use_in_graph as use_in_graph
 from safevars.locking.section_lock import SectionLock
 from safevars.locking.section_lock import _guards_of_lock as _guards_of_lock
 from safevars.locking.sharing import share_lock

@@ -9,7 +9,9 @@
 * A waiter looks every ``_POLL`` seconds for a holder thread that has ended and takes
   its lock back (:func:`_take_back`, serialized by ``_TAKEOVER``).
 * In run-time mode an eager section also takes the lock's ``tf.CriticalSection`` mutex
-  (:func:`_mutex_lock`; in a helper thread when there is a timeout).
+  (:func:`_mutex_lock`; in a helper thread when there is a timeout). A lock in run-time
+  mode that no live graph uses any more is switched back to eager mode first, by the
+  hook :mod:`~safevars.locking.runtime_mode` registers (``LEAVE_RUNTIME``).
 * :func:`check_timeout` checks a ``timeout`` argument, and :func:`_timeout_error` says
   who holds the lock when a wait runs out.
 """
@@ -20,7 +22,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from safevars import _tf_internal as tfi
@@ -35,9 +37,13 @@ if TYPE_CHECKING:
 _TAKEOVER = threading.Lock()  # Serializes taking a lock back from a dead holder.
 _POLL = 0.25  # Seconds between dead-holder checks while waiting for a lock.
 
+# runtime_mode.leave_runtime (a layer above): switches a lock that no live graph uses
+# back to eager mode; called with the lock just taken.
+LEAVE_RUNTIME: list[Callable[[SectionLock], None]] = []
+
 
 def _check_coordinator(lock: SectionLock) -> None:
-    if lock.mutexed and on_parameter_server(lock.device):
+    if lock.mutexed and lock.graph_users and on_parameter_server(lock.device):
         # An eager MutexLock from the coordinator on a parameter server's mutex,
         # while scheduled steps take it too, was measured to hang: refuse instead.
         raise UnsupportedStrategyError(
@@ -62,6 +68,8 @@ def enter(lock: SectionLock, me: threading.Thread, timeout: float | None) -> Non
         lock.seq += 1
         lock._since = time.monotonic()
         lock._where = _caller_location()
+        if lock.runtime and not lock.graph_users:  # every graph using it is gone
+            LEAVE_RUNTIME[0](lock)
         if lock.mutexed:
             lock._token = _mutex_lock(lock, timeout)
     except BaseException:

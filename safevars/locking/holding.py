@@ -87,8 +87,17 @@ class _Hold:
                 del lock._slot[:]
                 lock._mutex.release()
         self.__class__ = _Hold  # Closed: nothing left for a finalizer to do.
+        _prune(_held())
 
     __exit__ = _release
+
+
+def _prune(held: list[SectionLock]) -> None:
+    """Drops the locks at the end of this thread's held list that it no longer holds (a
+    stale entry would keep a lock, and its mutex, alive after its variables are gone)."""
+    me = _current_thread()
+    while held and not _holding(held[-1], me):
+        held.pop()
 
 
 class hold(_Hold):  # noqa: N801 - used like a function: ``with hold(guards):``

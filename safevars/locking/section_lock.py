@@ -49,8 +49,10 @@ class SectionLock:
         "runtime",
         "mutexed",
         "cs",
+        "cs_deleter",
         "gate",
-        "graph_uses",
+        "graph_users",
+        "leaving",
         "takeovers",
         "contended",
         "__weakref__",
@@ -70,11 +72,20 @@ class SectionLock:
         self.runtime = False
         self.mutexed = False  # Eager sections take the mutex too (see runtime_mode.py).
         self.cs: Any = None
+        self.cs_deleter: Any = None  # Destroys the mutex resource when dropped.
         self.gate: Any = None  # Run-time mode: the variable whose read opens a section.
-        self.graph_uses = 0
+        # One token per live graph using the lock (runtime_mode.use_in_graph); appended
+        # and removed by single C calls, so a graph's finalizer needs no lock.
+        self.graph_users: list[object] = []
+        self.leaving = False  # A switch back to eager mode is under way (runtime_mode).
         self.takeovers = 0
         self.contended = 0  # Snapshots left that skip the optimistic read (variable/snapshots.py).
         _LOCKS.add(self)
+
+    @property
+    def graph_uses(self) -> int:
+        """How many live traced graphs use this lock (sections, version reads)."""
+        return len(self.graph_users)
 
     @property
     def name(self) -> str:
@@ -105,9 +116,15 @@ class LockMember(Protocol):
     """What a lock needs of a variable under it (a :class:`~safevars.locking.Guard`)."""
 
     name: str
+    _version: int
+    version_var: Any
+    graph_reads: int
 
     def store_version(self) -> None:
         """Writes the eager version into the version variable (run-time mode begins)."""
+
+    def _joint_value(self) -> int:
+        """The joint counter's share of the version (0 without one), eagerly."""
 
 
 _GUARDS_BY_LOCK: weakref.WeakKeyDictionary[SectionLock, weakref.WeakSet[LockMember]] = (

@@ -26,7 +26,8 @@ class LockStatistics(NamedTuple):
       depth: How many times the holder has entered (re-entrant depth).
       runtime_mode: Whether the lock is also a ``tf.CriticalSection`` mutex and its
         variables keep their versions in variables (set once a variable under it was
-        written, versioned or snapshotted in a ``tf.function``).
+        written, versioned or snapshotted in a ``tf.function``, until the last traced
+        graph using it is garbage-collected and an eager section switches it back).
       writes: Completed writes recorded eagerly since construction or restore.
       thread_name: Name of the holding thread, or ``None``.
       held_for: Seconds since the holder took the lock, or ``None``.
@@ -39,6 +40,9 @@ class LockStatistics(NamedTuple):
       eager_mutex: Whether eager sections take that mutex too: once a graph that is not
         XLA-compiled took it (a lock used only by XLA-compiled functions called eagerly
         needs the Python lock alone; :mod:`safevars.locking.runtime_mode`).
+      graph_uses: How many traced graphs alive now use the lock. Run-time mode ends with
+        them: once it is 0, the next eager section switches the lock back to eager mode
+        (``runtime_mode`` and ``eager_mutex`` False) and frees its mutex.
     """
 
     order: int
@@ -54,6 +58,7 @@ class LockStatistics(NamedTuple):
     takeovers: int = 0
     duplicates_discarded: int = 0
     eager_mutex: bool = False
+    graph_uses: int = 0
 
 
 class HeldLock(NamedTuple):

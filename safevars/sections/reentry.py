@@ -36,12 +36,13 @@ _GRAPH_LOCKS = "_safevars_mutex_locks"  # FuncGraph attribute: locks whose Mutex
 
 
 def record_graph_locks(graph: Any, locks: Iterable[SectionLock]) -> None:
-    """Notes that running ``graph`` takes ``locks``' mutexes (on it and every graph
-    around it)."""
+    """Notes that running ``graph`` takes ``locks``' mutexes (on it and every function
+    graph around it; not on the eager context's global graph, where nothing reads them
+    and the record would keep every lock, and its mutex, alive for good)."""
     locks = list(locks)
     if not locks:
         return
-    while graph is not None:
+    while isinstance(graph, tfi.FuncGraph):
         recorded = getattr(graph, _GRAPH_LOCKS, None)
         if recorded is None:
             recorded = set()

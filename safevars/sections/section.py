@@ -102,21 +102,20 @@ def lock_section(
     me = locking._current_thread()
     # Inside an XLA-compiled function no mutex op is traced: the caller holds the locks.
     mutexed = compiled_call or not tfi.in_xla_context(tfi.default_graph())
-    switched = [
-        lock
-        for lock in ordered
-        if locking.ensure_runtime(lock, locking._holding(lock, me), mutexed)
-    ]
-    # Counted as used while the body is traced, not only after: share_lock must not move
-    # a variable off a lock the graph being traced takes (a SafeOptimizer built inside a
-    # Keras train step's section).
-    for lock in ordered:
-        lock.graph_uses += 1
+    # Each graph is counted as a user of the lock until it is freed, from before the
+    # body is traced: share_lock must not move a variable off a lock the graph being
+    # traced takes (a SafeOptimizer built inside a Keras train step's section).
+    switched = []
+    counted = []
     try:
+        for lock in ordered:
+            counted.append(lock)
+            if locking.use_in_graph(lock, locking._holding(lock, me), mutexed):
+                switched.append(lock)
         return _traced_section(ordered, fn, after, compiled_call, gated)
     except BaseException:
-        for lock in ordered:
-            lock.graph_uses -= 1
+        for lock in counted:
+            locking.unuse_in_graph(lock)
         for lock in switched:  # A failed trace changes nothing, not even the lock mode.
             locking.undo_runtime(lock)
         raise

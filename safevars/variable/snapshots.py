@@ -32,7 +32,15 @@ import numpy as np
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
-from safevars.locking import Guard, _current_thread, guards_of, hold, sorted_locks
+from safevars.locking import (
+    Guard,
+    _current_thread,
+    forget_uses,
+    guards_of,
+    hold,
+    pin,
+    sorted_locks,
+)
 from safevars.sections import graph_section
 
 __all__ = ["Snapshot", "scope_weights", "take_snapshots"]
@@ -258,7 +266,7 @@ def _batched_read(variables: Sequence[Any], guards: list[Any]) -> Any:
     per counter.
     """
     key = tuple(map(id, guards))
-    state = tuple((g.lock, g.joint) for g in guards)
+    state = tuple((g.lock, g.lock.cs, g.joint) for g in guards)
     with _BATCHED_LOCK:
         entry = _BATCHED.get(guards[0], {}).get(key)
     if entry is not None:
@@ -279,6 +287,8 @@ def _batched_read(variables: Sequence[Any], guards: list[Any]) -> Any:
         return graph_section(guards, body)
 
     function = tf.function(section, autograph=False).get_concrete_function()
+    # Cached, it does not keep the locks in run-time mode: it runs under a pin only.
+    forget_uses(function.graph)
     first = len(counters) + 1
 
     def read() -> tuple[list[tf.Tensor], list[int]]:
@@ -306,8 +316,10 @@ def take_snapshots(
     ):
         me = _current_thread()
         if not any(g.lock.holder() is me for g in guards):  # (its own: the eager path)
-            values, versions = _batched_read(variables, guards)()
-            return [Snapshot(*t) for t in zip(values, versions, names)]
+            with pin(sorted_locks(guards)) as mutexed:  # (no switch back meanwhile)
+                if mutexed:
+                    values, versions = _batched_read(variables, guards)()
+                    return [Snapshot(*t) for t in zip(values, versions, names)]
     if not tf.executing_eagerly():
         wrapped = [v.__wrapped__ for v in variables]
 

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import safevars
+from tests.support.graphs import kept_with
 
 FACTORIES = {
     "SafeVariable": lambda value, **kw: safevars.SafeVariable(value, **kw),
@@ -187,7 +188,7 @@ def test_pickle_round_trip(make, runtime_mode):
 
     v = make([1.0, 2.0], name="p")
     if runtime_mode:
-        tf.function(lambda: v.assign_add([1.0, 1.0]))()
+        kept_with(v, tf.function(lambda: v.assign_add([1.0, 1.0])))()
     else:
         v.assign_add([1.0, 1.0])
     plain = tf.Variable([2.0, 3.0], name="p")

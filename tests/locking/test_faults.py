@@ -27,6 +27,7 @@ import tensorflow as tf
 import safevars
 from safevars import SafeVariable
 from tests.support.deadlines import scaled
+from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
 
@@ -110,7 +111,7 @@ def _assert_free_and_paired(v: SafeVariable) -> None:
 def _make(runtime: bool) -> SafeVariable:
     v = SafeVariable(0.0)
     if runtime:
-        tf.function(lambda: v.assign_add(0.0), autograph=False)()  # run-time mode
+        kept_with(v, tf.function(lambda: v.assign_add(0.0), autograph=False))()  # run-time
         v.assign(0.0)
         v.guard.set_version(0)
         assert v.statistics().runtime_mode

@@ -18,6 +18,7 @@ import tensorflow as tf
 import safevars
 from safevars import SafeVariable
 from tests.support.deadlines import scaled
+from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
 THIS_FILE = os.path.basename(__file__)  # where the locks taken here say they were taken
@@ -354,7 +355,7 @@ TIMEOUT_CALLS = {
 def test_a_timeout_names_the_holder_and_changes_nothing(call, runtime):
     v = SafeVariable(1.0)
     if runtime:
-        tf.function(lambda: v.assign_add(1.0), autograph=False)()
+        kept_with(v, tf.function(lambda: v.assign_add(1.0), autograph=False))()
     holder = _Holder(v)
     try:
         before = _state(v) if not runtime else None
@@ -501,12 +502,15 @@ def test_share_lock_joins_the_lock_a_traced_graph_uses_and_refuses_two_or_held()
     from safevars.locking import share_lock
 
     a, b, c = SafeVariable(0.0), SafeVariable(0.0), SafeVariable(0.0)
-    tf.function(lambda: a.assign_add(1.0), autograph=False)()
+    # Each function is kept: a lock is used by graphs only while they live.
+    add_a = tf.function(lambda: a.assign_add(1.0), autograph=False)
+    add_a()
     lock_a, lock_c = a.guard.lock, c.guard.lock
     # b joins the lock a traced graph takes (its graphs keep taking that mutex).
     assert share_lock([b.guard, a.guard])
     assert b.guard.lock is lock_a and lock_a.order < lock_c.order
-    tf.function(lambda: c.assign_add(1.0), autograph=False)()
+    add_c = tf.function(lambda: c.assign_add(1.0), autograph=False)
+    add_c()
     assert not share_lock([a.guard, c.guard])  # two locks that graphs use: refused
     assert (a.guard.lock, c.guard.lock) == (lock_a, lock_c)
     with safevars.locked(c):
@@ -515,7 +519,8 @@ def test_share_lock_joins_the_lock_a_traced_graph_uses_and_refuses_two_or_held()
     assert float(b.numpy()) == 2.0 and b.version == 1
     # The lock graphs use is the target even when it is not the earliest of them.
     early, late = SafeVariable(0.0), SafeVariable(0.0)
-    tf.function(lambda: late.assign_add(1.0), autograph=False)()
+    add_late = tf.function(lambda: late.assign_add(1.0), autograph=False)
+    add_late()
     lock_late = late.guard.lock
     assert early.guard.lock.order < lock_late.order
     assert share_lock([early.guard, late.guard])

@@ -1,4 +1,5 @@
-"""Run-time mode's two levels: versions in variables, and the mutex for eager sections.
+"""Run-time mode's two levels (versions in variables, and the mutex for eager sections),
+and its end: a lock whose graphs are all garbage-collected returns to eager mode.
 
 A lock used only by XLA-compiled functions (called eagerly, which hold the lock around
 the call) keeps its versions in variables but takes no TensorFlow mutex eagerly; the
@@ -8,14 +9,20 @@ it too, and that switch waits for every eager holder that did not.
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 import time
 
+import pytest
 import tensorflow as tf
 
 import safevars
+from safevars import _tf_internal as tfi
+from safevars import locking
+from safevars.sections import graph_section
 from tests.support.deadlines import scaled
-from tests.support.threading_harness import run_threads
+from tests.support.threading_harness import call_bounded, run_threads
 
 
 def test_a_lock_only_xla_functions_use_takes_no_mutex_eagerly():
@@ -66,3 +73,279 @@ def test_a_graph_taking_the_mutex_waits_for_an_eager_holder_without_it():
 
     run_threads(4, mixed)
     assert float(v.numpy()) == 111.0 and v.version == 102
+
+
+# --------------------------------------------------------------- run-time mode ends
+
+
+def _mode(v: safevars.SafeVariable) -> tuple[bool, bool, int]:
+    stats = v.statistics()
+    return stats.runtime_mode, stats.eager_mutex, stats.graph_uses
+
+
+def test_a_lock_returns_to_eager_mode_when_its_last_graph_is_freed():
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    version = tf.function(lambda: v.version, autograph=False)
+    add()
+    assert int(version()) == 1
+    assert _mode(v) == (True, True, 2)
+    del add
+    gc.collect()
+    v.assign_add(1.0)  # one function is still alive: eager sections take the mutex
+    assert _mode(v) == (True, True, 1)
+    assert int(version()) == 2
+    del version
+    gc.collect()
+    assert v.statistics().graph_uses == 0
+    v.assign_add(1.0)  # the next eager section switches the lock back
+    assert _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (3.0, 3)
+    v.update(lambda x: x + 1.0)
+    assert (float(v.numpy()), v.version, v.snapshot().version) == (4.0, 4, 4)
+    # A new graph takes the lock to run-time mode again; versions go on from the same.
+    add_again = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add_again()
+    read = tf.function(lambda: (v.read_value(), v.version), autograph=False)
+    assert _mode(v)[:2] == (True, True)
+    value, graph_version = read()
+    assert (float(value), int(graph_version), v.version) == (5.0, 5, 5)
+
+
+def test_the_mutex_is_destroyed_when_the_lock_leaves_run_time_mode():
+    """The mutex is a resource TensorFlow keeps (with a thread once taken) until it is
+    destroyed: a lock that leaves run-time mode destroys it, and so does a lock that is
+    garbage-collected in run-time mode."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    handle = v.guard.lock.cs._handle
+    del add
+    gc.collect()
+    v.assign_add(1.0)
+    with pytest.raises(tf.errors.NotFoundError):  # (a MutexLock would make a new one)
+        tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=False)
+
+    def written_in_a_graph() -> tuple[safevars.SafeVariable, object]:
+        w = safevars.SafeVariable(0.0)
+        add = tf.function(lambda: w.assign_add(1.0), autograph=False)
+        add()
+        return w, add
+
+    kept = written_in_a_graph()
+    handle = kept[0].guard.lock.cs._handle
+    del kept
+    gc.collect()
+    with pytest.raises(tf.errors.NotFoundError):
+        tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=False)
+
+
+def test_graphs_and_eager_writers_stay_exact_while_the_last_graph_goes():
+    """Graph threads update through functions of their own and then drop them, while
+    eager threads update throughout: the lock leaves run-time mode while eager sections
+    run, never while a graph that takes the mutex is alive or running."""
+    v = safevars.SafeVariable(0.0)
+    rounds, graph_threads, eager_threads = 150, 2, 2
+
+    def work(index: int) -> None:
+        if index < graph_threads:
+            step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+            for _ in range(rounds):
+                step()
+            del step
+            gc.collect()
+            for _ in range(rounds):
+                v.update(lambda x: x + 1.0)
+        else:
+            for _ in range(2 * rounds):
+                v.update(lambda x: x + 1.0)
+
+    run_threads(graph_threads + eager_threads, work)
+    total = 2 * rounds * (graph_threads + eager_threads)
+    assert (float(v.numpy()), v.version) == (float(total), total)
+    v.assign_add(1.0)
+    assert _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (float(total + 1), total + 1)
+
+
+def test_a_function_still_alive_keeps_run_time_mode_across_threads():
+    """A function kept by one thread while others write eagerly: every eager section
+    takes the mutex as long as it lives, so its graph's updates are never lost."""
+    v = safevars.SafeVariable(0.0)
+    step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+    step()
+
+    def work(index: int) -> None:
+        for i in range(150):
+            if index % 2:
+                step()
+            else:
+                if i % 50 == 0:
+                    gc.collect()  # (frees nothing that a graph still uses)
+                v.update(lambda x: x + 1.0)
+
+    run_threads(4, work)
+    assert (float(v.numpy()), v.version) == (601.0, 601)
+    assert _mode(v) == (True, True, 1)
+
+
+def test_a_cached_batched_snapshot_does_not_keep_locks_in_run_time_mode():
+    """Snapshots of many variables in run-time mode read them through one cached traced
+    function; that cache does not keep the locks in run-time mode once the graphs that
+    put them there are gone, and is never used over a mutex the lock no longer has."""
+    vs = [safevars.SafeVariable(float(i)) for i in range(10)]
+    add = tf.function(lambda: [v.assign_add(1.0) for v in vs], autograph=False)
+    add()
+    snaps = safevars.snapshot(vs)
+    assert [s.version for s in snaps] == [1] * 10
+    del add
+    gc.collect()
+    for v in vs:
+        v.assign_add(1.0)
+    assert all(_mode(v) == (False, False, 0) for v in vs)
+    assert [s.version for s in safevars.snapshot(vs)] == [2] * 10
+    add = tf.function(lambda: [v.assign_add(1.0) for v in vs], autograph=False)
+    add()  # new mutexes: the cached reader of the old ones must not be used
+    snaps = safevars.snapshot(vs)
+    assert [(float(s.numpy()), s.version) for s in snaps] == [(i + 3.0, 3) for i in range(10)]
+
+
+def test_eager_sections_stop_taking_the_tf_mutex_once_the_last_graph_is_freed(monkeypatch):
+    """Measures the mode by what eager sections do: every ``MutexLock`` run eagerly is
+    counted. In run-time mode each eager section takes the lock's TF mutex; after the
+    last function using the lock is freed, one section switches back (it takes the mutex
+    once, to wait for a graph still running) and the next ones take none."""
+    taken: list[object] = []
+    real = tfi.mutex_lock
+
+    def counting(*args: object, **kwargs: object) -> object:
+        if tf.executing_eagerly():
+            taken.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tfi, "mutex_lock", counting)
+    v = safevars.SafeVariable(0.0)
+    for _ in range(3):
+        v.assign_add(1.0)
+    assert taken == []  # eager mode: the Python lock alone
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    for _ in range(3):
+        v.assign_add(1.0)
+        v.update(lambda x: x + 1.0)
+    assert len(taken) == 6  # run-time mode: one MutexLock per eager section
+    del add
+    gc.collect()
+    taken.clear()
+    for _ in range(3):
+        v.assign_add(1.0)
+        v.update(lambda x: x + 1.0)
+    assert len(taken) == 1  # the switch back's; then none
+    assert v.guard.lock.cs is None and _mode(v) == (False, False, 0)
+    assert (float(v.numpy()), v.version) == (16.0, 16)
+
+
+def test_joint_versions_are_kept_exactly_across_the_switch_back():
+    """Versions that live partly in a joint counter (what an optimizer's weights and
+    slots share) come back into Python as the same numbers, and go on from there."""
+    a, b = safevars.SafeVariable(0.0), safevars.SafeVariable(0.0)
+    guards = [a.guard, b.guard]
+    assert locking.share_lock(guards) and locking.join_versions(guards)
+
+    def both() -> None:  # a write of both counted once on the joint counter
+        def body() -> object:
+            written = tf.group(a.__wrapped__.assign_add(1.0), b.__wrapped__.assign_add(1.0))
+            locking.bump_graph_together(guards, written)
+            return written
+
+        graph_section(guards, body)
+
+    step = tf.function(both, autograph=False)
+    step()
+    step()
+    a.assign_add(1.0)  # eager, in run-time mode: a's own count
+    assert a.guard.joint.value() == 2 and (a.version, b.version) == (3, 2)
+    del step
+    gc.collect()
+    b.assign_add(1.0)  # switches back, then counts in Python
+    assert _mode(a) == (False, False, 0)
+    assert (a.version, b.version) == (3, 3)
+    assert [(float(s.numpy()), s.version) for s in safevars.snapshot([a, b])] == [(3.0, 3)] * 2
+    step = tf.function(both, autograph=False)
+    step()  # run-time mode again: the versions move into variables unchanged
+    assert (a.version, b.version) == (4, 4)
+    read = tf.function(lambda: (a.version, b.version), autograph=False)
+    assert [int(x) for x in read()] == [4, 4]
+
+
+def test_a_graph_traced_while_the_lock_switches_back_stays_exact():
+    """Round after round, the lock's last function is dropped; then one thread writes
+    eagerly (its first section switches the lock back) while another traces a new
+    function over the lock and calls it, and a third writes eagerly too. Whichever comes
+    first, the new graph either keeps run-time mode or waits for the switch and gets a
+    mutex of its own: no update is lost and value equals version after every round."""
+    v = safevars.SafeVariable(0.0)
+    keep = [tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)]
+    keep[0]()
+    total = 1
+    rounds, calls = 25, 8
+    for round_index in range(rounds):
+        keep.clear()
+        gc.collect()
+        assert v.statistics().graph_uses == 0
+
+        def work(index: int, round_index: int = round_index) -> None:
+            if index == 1:
+                for _ in range(round_index % 4):  # (the trace starts a little later)
+                    with safevars.locked(v):
+                        pass
+                step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+                for _ in range(calls):
+                    step()
+                keep.append(step)
+            else:
+                for _ in range(calls):
+                    v.update(lambda x: x + 1.0)
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch every few bytecodes: more interleavings
+        try:
+            run_threads(3, work)
+        finally:
+            sys.setswitchinterval(interval)
+        total += 3 * calls
+        assert _mode(v) == (True, True, 1)  # the new function is alive
+        assert (float(v.numpy()), v.version) == (float(total), total), round_index
+        with safevars.locked(v):  # an eager section with the function alive: no switch
+            pass
+        assert _mode(v) == (True, True, 1)
+
+
+def test_a_graph_traced_just_before_the_switch_back_keeps_run_time_mode(monkeypatch):
+    """The narrowest case of the race above, made to happen: a thread traces a function
+    over the lock after an eager section has seen no graph using it and before the
+    switch back begins. That function keeps its mutex: the switch back gives up, eager
+    sections keep taking the mutex, and nothing is lost."""
+    from safevars.locking import acquisition
+
+    v = safevars.SafeVariable(0.0)
+    first = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    first()
+    del first
+    gc.collect()
+    leave = acquisition.LEAVE_RUNTIME[0]
+    traced: list[object] = []
+
+    def trace_first(lock: object) -> None:
+        if not traced:  # a graph traced in another thread, at this very point
+            step = tf.function(lambda: v.update(lambda x: x + 1.0), autograph=False)
+            call_bounded(lambda: step.get_concrete_function(), timeout=120)
+            traced.append(step)
+        leave(lock)
+
+    monkeypatch.setattr(acquisition, "LEAVE_RUNTIME", [trace_first])
+    v.assign_add(1.0)  # sees no graph, then one is traced before the switch back
+    assert traced and _mode(v) == (True, True, 1)
+    run_threads(4, lambda i: [traced[0]() if i % 2 else v.assign_add(1.0) for _ in range(50)])
+    assert (float(v.numpy()), v.version) == (202.0, 202)
+    assert _mode(v) == (True, True, 1)

@@ -18,6 +18,7 @@ import tensorflow as tf
 import safevars
 from safevars.locking import share_lock
 from safevars.optimizer import SafeOptimizer
+from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
 THREADS, CALLS = 4, 150
@@ -142,7 +143,7 @@ def test_safe_optimizer_steps_are_exported_with_their_bookkeeping(tmp_path):
 
 def test_checkpoints_keep_their_layout():
     v = safevars.SafeVariable(1.0)
-    tf.function(lambda: v.assign_add(1.0))()  # run-time mode: a mutex and a gate exist
+    kept_with(v, tf.function(lambda: v.assign_add(1.0)))()  # run-time mode: a mutex, a gate
     names = {name for name, _ in tf.train.Checkpoint(v=v)._checkpoint_dependencies}
     assert names == {"v"}
     children = v._trackable_children("checkpoint")

@@ -11,6 +11,7 @@ import safevars
 from safevars.optimizer import SafeOptimizer
 from safevars.snapshot import snapshot as safevars_snapshot
 from safevars.variable import SafeVariable, wrap
+from tests.support.graphs import kept_with
 from tests.support.optimizer import (
     GRADS,
     INIT,
@@ -152,7 +153,7 @@ class TestOneLockPerStep:
         # share_lock moves the others to the lock a traced graph uses (its graphs keep
         # taking that mutex): one lock for a, b and the optimizer's state.
         a, b = SafeVariable(INIT), SafeVariable(INIT)
-        tf.function(lambda: a.assign_add(INIT), autograph=False)()
+        kept_with(a, tf.function(lambda: a.assign_add(INIT), autograph=False))()
         opt = SafeOptimizer(keras.optimizers.SGD(0.1))
         opt.apply_gradients([(GRADS[0], a), (GRADS[0], b)])
         assert a.statistics().shared_by == b.statistics().shared_by == 3
@@ -169,9 +170,10 @@ class TestOneLockPerStep:
         # shared): calls updating one or the other still serialize on the optimizer's
         # state lock (iterations, slots, counters).
         a, b = SafeVariable(tf.zeros([3])), SafeVariable(tf.zeros([3]))
-        tf.function(
+        both = tf.function(
             lambda: (a.assign_add(tf.zeros([3])), b.assign_add(tf.zeros([3]))), autograph=False
-        )()
+        )
+        both()  # (kept: locks stay used by graphs, so not shared, while it lives)
         opt = SafeOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
         opt.build([a, b])
         assert a.statistics().shared_by == b.statistics().shared_by == 1

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 import safevars
 from safevars import SafeVariable
+from tests.support.graphs import kept_with
 from tests.support.threading_harness import call_bounded
 
 
@@ -30,7 +31,7 @@ def _variable(kind: str, value: float = 0.0) -> SafeVariable:
     """A variable at ``value + 1`` and version 1, in the lock mode ``kind``."""
     v = SafeVariable(value)
     if kind == "runtime":
-        tf.function(lambda: v.assign_add(1.0), autograph=False)()
+        kept_with(v, tf.function(lambda: v.assign_add(1.0), autograph=False))()
     else:
         v.assign_add(1.0)
     assert v.version == 1 and float(v.numpy()) == value + 1.0

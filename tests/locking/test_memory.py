@@ -1,0 +1,124 @@
+"""Memory returns to baseline: variables, their locks and their graphs are freed.
+
+A long-running process creates and drops variables and functions for days. Each
+SafeVariable has a lock of its own, which in run-time mode owns a TensorFlow mutex (a
+resource TensorFlow keeps until it is destroyed, with a thread once it was taken), a
+gate variable and, per variable, a version variable. The test creates 10,000 variables,
+writes each in a ``tf.function`` and then eagerly (an eager section in run-time mode
+takes the mutex) and drops them with the functions, once with ``tf.Variable`` and once
+with ``SafeVariable``, each in a process of its own (no other test's memory counts), and
+bounds what safevars keeps beyond what plain TensorFlow keeps.
+
+Measured with this workload (2 cores, load about 12, 2026-11-29): plain 0.98 KB per
+variable, safevars 1.07 KB, no thread kept, no lock alive (before: 88 KB and one thread
+per variable, as every lock, its mutex and the mutex's thread stayed). The bound is the
+issue's goal, 5 KB per variable beyond plain: generous against allocator noise (0.1 KB
+here), while a kept mutex alone costs 34 KB or more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.support.deadlines import scaled
+
+_CHILD = textwrap.dedent(
+    """
+    import ctypes, gc, json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import tensorflow as tf
+    import safevars
+    from safevars.locking import statistics
+
+    libc = ctypes.CDLL("libc.so.6")
+
+    def resident() -> int:
+        gc.collect()
+        libc.malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    kind, count = sys.argv[1], int(sys.argv[2])
+    make = safevars.SafeVariable if kind == "safevars" else tf.Variable
+    BATCH = 50
+
+    def batch() -> None:
+        variables = [make(0.0) for _ in range(BATCH)]
+
+        @tf.function(autograph=False)
+        def write():
+            for v in variables:
+                v.assign_add(1.0)
+
+        write()
+        for v in variables:
+            v.assign_add(1.0)  # (in run-time mode: takes the lock's TF mutex)
+        if kind == "safevars":
+            assert all(v.statistics().eager_mutex for v in variables)
+
+    for _ in range(500 // BATCH):  # warm up TensorFlow's own caches
+        batch()
+    before, threads_before = resident(), threads()
+    for _ in range(count // BATCH):
+        batch()
+    after = resident()
+    print(json.dumps({
+        "per_variable_kb": (after - before) / 1024 / count,
+        "threads_before": threads_before,
+        "threads_after": threads(),
+        "live_locks": len(statistics._LOCKS),
+    }), flush=True)
+    """
+)
+
+COUNT = 10_000
+BOUND_KB = 5.0  # per variable, beyond plain TensorFlow doing the same
+
+
+def _start(kind: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, kind, str(COUNT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _result(child: subprocess.Popen[str]) -> dict[str, float]:
+    try:
+        out, err = child.communicate(timeout=scaled(1500))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    assert child.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# About 2.5 minutes on a quiet 2-core machine; 10 under a load of 12.
+@pytest.mark.timeout(scaled(1800))
+def test_creating_using_and_dropping_ten_thousand_variables_returns_memory():
+    children = [_start("plain"), _start("safevars")]  # (each measures itself)
+    try:
+        plain, safe = [_result(child) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    print("plain", plain, "safevars", safe)  # (the figures, with -s)
+    assert safe["per_variable_kb"] - plain["per_variable_kb"] < BOUND_KB, (plain, safe)
+    # A kept mutex also keeps the thread that hands it over.
+    assert safe["threads_after"] <= safe["threads_before"] + 4, safe
+    assert safe["live_locks"] <= 2, safe  # (the last one a thread held may linger)
