@@ -152,6 +152,9 @@ DIST = "loadfile"
 #: depends on it); from a run's ``--durations``, longest first.
 LONG_FILES = (
     "tests/test_exactly_once.py",
+    "tests/locking/test_memory.py",
+    "tests/test_exactly_once_checkpoints.py",
+    "tests/locking/test_ctrl_c.py",
     "tests/benchmarks/test_quick_suite.py",
     "tests/conformance/test_keras_models.py",
     "tests/accumulator/test_distributed.py",
