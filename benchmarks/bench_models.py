@@ -41,6 +41,10 @@ DESCRIPTION = (
 )
 ORDER = 17
 DEFAULT = False  # building and tracing these models takes tens of seconds: --cases models
+# Measured 2026-11-29 on a quiet 2-core CPU: 12 min 44 s for --repeat 3 (about 250 s a
+# pass, nearly all of it building and tracing); --quick keeps MobileNetV2's fit (35 s).
+SECONDS = {"full": 250, "quick": 35}
+ISOLATED = True  # its traced models' memory stays with the process (see the guide)
 
 SIZE = 32
 CLASSES = 10

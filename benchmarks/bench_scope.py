@@ -57,7 +57,7 @@ import tensorflow as tf
 import safevars
 from benchmarks.background import Background
 from benchmarks.case import Case, Context, LazyCase
-from benchmarks.tf_functions import variant_function
+from benchmarks.tf_functions import training_step
 
 FAMILY = "scope"
 DESCRIPTION = (
@@ -114,13 +114,7 @@ def _step(model: keras.Model, optimizer: Any, jit_compile: bool) -> Callable[[],
     x, y = (tf.constant(a) for a in _data(1))
     optimizer.build(model.trainable_variables)
 
-    @variant_function(autograph=False, jit_compile=jit_compile)
-    def step() -> tf.Tensor:
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = training_step(model, optimizer, x, y, jit_compile)
 
     def call() -> None:
         step().numpy()  # wait for the step

@@ -45,7 +45,7 @@ import tensorflow as tf
 import safevars
 from benchmarks.bench_contention import Crew
 from benchmarks.case import Case, Context
-from benchmarks.tf_functions import variant_function
+from benchmarks.tf_functions import training_step
 
 FAMILY = "threads"
 DESCRIPTION = (
@@ -53,6 +53,7 @@ DESCRIPTION = (
     "threading.Lock around the step, SafeOptimizer with lock_span step and update"
 )
 ORDER = 18
+SECONDS = {"full": 15, "quick": 8}  # measured on a quiet 2-core CPU: 59 s for --repeat 3
 
 FEATURES = 64
 WIDTH = 256
@@ -96,19 +97,9 @@ class Trainer:
         rng = np.random.default_rng(0)
         x = tf.constant(rng.normal(size=(BATCH, FEATURES)).astype("float32"))
         y = tf.constant(np.tanh(x.numpy()[:, :1]))
-        model = self.model
-
-        @variant_function(autograph=False)
-        def step() -> tf.Tensor:
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        self._traced = step
+        self._traced = training_step(self.model, optimizer, x, y)
         self._lock = threading.Lock() if locked else None
-        step()  # traced once, before any thread calls it
+        self._traced()  # traced once, before any thread calls it
 
     def step(self) -> None:
         if self._lock is None:

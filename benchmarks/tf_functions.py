@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["variant_function"]
+__all__ = ["training_step", "variant_function"]
 
 
 def variant_function(python_function: Callable[..., Any] | None = None, **options: Any) -> Any:
@@ -41,3 +41,20 @@ def variant_function(python_function: Callable[..., Any] | None = None, **option
     import tensorflow as tf
 
     return tf.function(functools.partial(python_function), **options)
+
+
+def training_step(model: Any, optimizer: Any, x: Any, y: Any, jit_compile: bool = False) -> Any:
+    """A traced training step of ``model`` on one batch: the mean squared error of
+    ``model(x)`` against ``y``, its gradients, ``optimizer.apply_gradients``; returns the
+    loss. Built by :func:`variant_function` (one function per variant)."""
+    import tensorflow as tf
+
+    @variant_function(autograph=False, jit_compile=jit_compile)
+    def step() -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
