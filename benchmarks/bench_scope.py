@@ -215,6 +215,18 @@ def _fit_case(
         model, _ = _built(layers, True, False)
         scoped = _fit(model, steps, keras.optimizers.Adam(1e-3))
     label = SAFE if safe else f"scope + Adam, compiled {'inside' if inside else 'outside'}"
+    return _fit_versus(layers, workload, plain, label, scoped, steps)
+
+
+def _fit_versus(
+    layers: int,
+    workload: str,
+    plain: Callable[[], None],
+    label: str,
+    scoped: Callable[[], None],
+    steps: int,
+) -> Case:
+    """A fit case: ``plain`` (Adam, the baseline) against ``scoped`` (named ``label``)."""
     return Case(
         family=FAMILY,
         name=f"{workload}/v{2 * layers}",
@@ -234,14 +246,7 @@ def _protected_case(layers: int, plain: Callable[[], None], steps: int) -> Case:
     scoped()  # fitted plain first: what protect is for
     safevars.protect(model)
     label = "safevars.protect(model) + Adam"
-    return Case(
-        family=FAMILY,
-        name=f"fit_protected/v{2 * layers}",
-        variants={"Adam": plain, label: scoped},
-        ops_per_call=steps,
-        params=_params("fit_protected", layers, steps_per_epoch=steps),
-        goal=(label, GOAL),
-    )
+    return _fit_versus(layers, "fit_protected", plain, label, scoped, steps)
 
 
 def _snapshot_case(layers: int, subject: _Trained) -> Case:
