@@ -146,6 +146,7 @@ def test_graphs_and_eager_writers_stay_exact_while_the_last_graph_goes():
     run, never while a graph that takes the mutex is alive or running."""
     v = safevars.SafeVariable(0.0)
     rounds, graph_threads, eager_threads = 150, 2, 2
+    dropped = threading.Barrier(graph_threads)
 
     def work(index: int) -> None:
         if index < graph_threads:
@@ -153,7 +154,16 @@ def test_graphs_and_eager_writers_stay_exact_while_the_last_graph_goes():
             for _ in range(rounds):
                 step()
             del step
-            gc.collect()
+            dropped.wait(scaled(60))
+            if index == 0:
+                # gc.collect() returns at once, collecting nothing, while another thread
+                # collects (an automatic collection in an eager thread, say): collect
+                # until both functions are gone, so the eager sections below switch the
+                # lock back while the other threads still write.
+                deadline = time.monotonic() + scaled(60)
+                while v.statistics().graph_uses and time.monotonic() < deadline:
+                    gc.collect()
+                assert v.statistics().graph_uses == 0
             for _ in range(rounds):
                 v.update(lambda x: x + 1.0)
         else:
