@@ -194,7 +194,7 @@ def _traced_section(
                     graph, ordered, new, inputs, result, created, joinable, counts
                 ),
             )
-        locks = _mutex_locks(new, inputs)
+        locks = _mutex_locks(new, [*inputs, *_previous_releases(graph, gated)])
         gate = locks[-1]
         if gated:  # a step's span: many ops
             gate = open_gate(new[-1], gate)
@@ -215,6 +215,45 @@ def _traced_section(
         return _release(
             graph, ordered, new, locks, gate, result, created, joinable, counts, ungated
         )
+
+
+#: The releases (``ConsumeMutexLock`` ops) of the section traced last in a graph.
+_RELEASES_ATTRIBUTE = "_safevars_last_releases"
+
+
+def _previous_releases(graph: Any, gated: Sequence[Any] = ()) -> list[Any]:
+    """The releases of the section traced before in ``graph``: the next one takes its
+    first lock only after them, in program order, as eagerly.
+
+    Without that edge a graph could hold the locks of its second section while its first
+    still waits for a lock (the second's release waits for the first's, TensorFlow's
+    automatic control dependencies order them): ``c.update(f)`` then
+    ``transaction([a, b], g)`` held ``a`` and ``b`` while waiting for ``c``, and deadlocked
+    against anyone taking ``c`` then ``a`` in the global order (an exactly-once save's
+    fence, a checkpoint, ``transaction([c, a])``). Not when the earlier releases depend
+    on a ``gated`` op (a step span's reads): they wait for this section's gate, and the
+    edge would close a cycle.
+    """
+    previous = [op for op in getattr(graph, _RELEASES_ATTRIBUTE, None) or () if op.graph is graph]
+    if previous and gated and _depends_on(previous, set(gated)):
+        return []
+    return previous
+
+
+def _depends_on(ops: list[Any], targets: set[Any]) -> bool:
+    """Whether any of ``ops`` depends (through inputs or control inputs, in its graph) on
+    an op of ``targets``."""
+    seen: set[Any] = set()
+    stack = list(ops)
+    while stack:
+        op = stack.pop()
+        if op in targets:
+            return True
+        for parent in [*(t.op for t in op.inputs), *op.control_inputs]:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
 
 
 def _mutex_locks(new: list[SectionLock], inputs: list[Any]) -> list[tf.Tensor]:
@@ -241,7 +280,7 @@ def _own_section(
 ) -> Any:
     """Mutexes of its own around a body already traced (one that may not join)."""
     with tf.device(_section_device(ordered)):
-        locks = _mutex_locks(new, inputs)
+        locks = _mutex_locks(new, [*inputs, *_previous_releases(graph)])
         gate = open_gate(new[-1], locks[-1])  # every stateful op waits for it
         narrow(gate.op, created)
         return _release(graph, ordered, new, locks, gate, result, created, joinable, counts)
@@ -274,6 +313,7 @@ def _release(
         for lock, token in zip(new, locks):
             with tfi.colocate_with(lock.cs._handle):
                 released.append(tfi.consume_mutex_lock(token))
+    setattr(graph, _RELEASES_ATTRIBUTE, released)
     with tf.control_dependencies(released):
         leaves = [coarsening.after_release(x) for x in tf.nest.flatten(result)]
     if joinable:
