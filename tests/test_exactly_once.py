@@ -245,7 +245,7 @@ class _Coordinator:
 @pytest.fixture
 def fresh_tables(monkeypatch):
     """A new process-wide Tables object for the test (the watermark is per object)."""
-    monkeypatch.setattr(exactly_once, "_TABLES", None)
+    monkeypatch.setattr(exactly_once.state, "TABLES", None)
     return exactly_once.tables
 
 
@@ -296,7 +296,7 @@ def test_the_table_insert_waits_for_every_write_of_the_section(fresh_tables):
     v = safevars.SafeVariable(0.0)
     step = _counting_step(v)
     exactly_once.schedule(_Coordinator(), step, token=1).fetch()
-    function = exactly_once._step_function(step).function
+    function = exactly_once.steps._step_function(step).function
     graph_def = function.get_concrete_function(tf.TensorSpec([], tf.int64)).graph.as_graph_def()
     (branch,) = [
         f
@@ -349,7 +349,9 @@ def test_a_compacted_token_is_refused_and_a_late_attempt_of_it_writes_nothing(fr
     with pytest.raises(safevars.InvalidArgumentError, match="watermark 3"):
         done[0].reschedule()
     # An attempt already on its way (scheduled before compact) is discarded on arrival.
-    late = exactly_once.ScheduledStep(coordinator, exactly_once._step_function(step), (), {}, 1)
+    late = exactly_once.ScheduledStep(
+        coordinator, exactly_once.steps._step_function(step), (), {}, 1
+    )
     assert late.fetch() is None
     assert v.numpy() == 5.0 and v.statistics().duplicates_discarded == 1
     exactly_once.schedule(coordinator, step, token=3)  # at the watermark: a duplicate
@@ -378,7 +380,7 @@ def test_the_watermark_and_entries_are_restored_from_a_checkpoint(
         exactly_once.schedule(coordinator, step, token=i)
     assert v.numpy() == 6.0 and once.size() == 5
     # What a new coordinator does: new variables, new tables, restored, every step again.
-    monkeypatch.setattr(exactly_once, "_TABLES", None)
+    monkeypatch.setattr(exactly_once.state, "TABLES", None)
     w = safevars.SafeVariable(0.0)
     restored = exactly_once.tables()
     restored.table_for(w.device)  # tables(strategy) creates them for parameter servers
@@ -411,9 +413,9 @@ def test_section_ids_are_the_same_in_a_new_process(fresh_tables):
 
     coordinator = _Coordinator()
     exactly_once.schedule(coordinator, step, token=0)
-    first = [sid for _, sid in exactly_once._step_function(step).traces[0].sections]
+    first = [sid for _, sid in exactly_once.steps._step_function(step).traces[0].sections]
     exactly_once.schedule(coordinator, _counting_step(a), token=0)  # other sections
-    again = exactly_once._StepFunction(step)  # what a new process builds
+    again = exactly_once.steps._StepFunction(step)  # what a new process builds
     coordinator.schedule(again.function, args=(tf.constant(0, tf.int64),))
     assert [sid for _, sid in again.traces[0].sections] == first
     assert len(set(first)) == 2

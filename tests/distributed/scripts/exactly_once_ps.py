@@ -472,7 +472,9 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     def write_in_run():
         strategy.run(lambda: counter.assign_add(1.0))
 
-    replica: dict = {"per_graph_hook": hasattr(exactly_once.sections, "graph_body_wrappers")}
+    replica: dict = {
+        "per_graph_hook": hasattr(exactly_once.recording.sections, "graph_body_wrappers")
+    }
     for name, fn in (("merged", merged_in_run), ("write", write_in_run)):
         try:
             once = exactly_once.schedule(coordinator, fn)
@@ -530,7 +532,7 @@ def run(args: argparse.Namespace, spec: dict, workers: Workers) -> dict:
     result["seconds"] = round(time.monotonic() - started, 1)
     result["lock_device"] = state["counter"].guard.cs._handle.device
     result["table_devices"] = sorted(
-        {r.table.resource_handle.device for r in exactly_once._RECORDS.values()}
+        {r.table.resource_handle.device for r in exactly_once.recording._RECORDS.values()}
     )
     return result
 

@@ -85,7 +85,7 @@ def run(args) -> dict:
         b = safevars.SafeVariable(0.0)
     once = exactly_once.tables(strategy)
     if args.unfenced:
-        exactly_once._fenced_locks = list  # no lock fenced: the mutation
+        exactly_once.checkpoints._fenced_locks = list  # no lock fenced: the mutation
     ckpt = tf.train.Checkpoint(counter=counter, a=a, b=b, exactly_once=once)
     manager = tf.train.CheckpointManager(ckpt, args.dir, max_to_keep=args.saves + 1)
 
