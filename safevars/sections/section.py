@@ -219,6 +219,8 @@ def _traced_section(
 
 #: The releases (``ConsumeMutexLock`` ops) of the section traced last in a graph.
 _RELEASES_ATTRIBUTE = "_safevars_last_releases"
+#: Graphs traced for one op of the graph around them (never reused elsewhere).
+_BRANCH_GRAPHS = frozenset({"CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"})
 
 
 def _previous_releases(graph: Any, gated: Sequence[Any] = ()) -> list[Any]:
@@ -232,9 +234,17 @@ def _previous_releases(graph: Any, gated: Sequence[Any] = ()) -> list[Any]:
     against anyone taking ``c`` then ``a`` in the global order (an exactly-once save's
     fence, a checkpoint, ``transaction([c, a])``). Not when the earlier releases depend
     on a ``gated`` op (a step span's reads): they wait for this section's gate, and the
-    edge would close a cycle.
+    edge would close a cycle. The first section of a ``tf.cond`` branch or a
+    ``tf.while_loop`` body comes after the section before the ``If`` or ``While`` op.
     """
-    previous = [op for op in getattr(graph, _RELEASES_ATTRIBUTE, None) or () if op.graph is graph]
+    g, previous = graph, []
+    while g is not None:
+        previous = [op for op in getattr(g, _RELEASES_ATTRIBUTE, None) or () if op.graph is g]
+        if previous or type(g).__name__ not in _BRANCH_GRAPHS:
+            break
+        # The first section of a tf.cond branch or tf.while_loop body: after the last one
+        # of the graph around (a control capture: the If or While op waits for it).
+        g = getattr(g, "outer_graph", None)
     if previous and gated and _depends_on(previous, set(gated)):
         return []
     return previous

@@ -7,7 +7,9 @@ for a lock (TensorFlow's automatic control dependencies make the second release 
 the first): ``c.update(f)`` then ``transaction([a, b], g)`` held ``a`` and ``b`` while
 waiting for ``c``, and deadlocked against anyone taking ``c`` then ``a`` in the global
 order. It was found as a hang of an exactly-once checkpoint (whose fence takes every
-lock in order) while parameter-server steps ran, about one run in eight.
+lock in order) while parameter-server steps ran, about one run in eight. The first
+section of a ``tf.cond`` branch or a ``tf.while_loop`` body waits for the section before
+the ``If`` or ``While`` op too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import tensorflow as tf
 
 import safevars
@@ -22,18 +25,29 @@ from tests.support.deadlines import scaled
 from tests.support.graph_walk import ancestors
 from tests.support.threading_harness import call_bounded
 
+WHERE = ("graph", "cond", "while_loop")  # where the second section is traced
 
-def _variables_and_step():
+
+def _variables_and_step(where: str = "graph"):
     c, a, b = (safevars.SafeVariable(x) for x in (0.0, 100.0, 0.0))  # global order c, a, b
 
     def move():
         a.assign_sub(1.0)
         b.assign_add(1.0)
 
+    def second() -> tf.Tensor:
+        safevars.transaction([a, b], move)
+        return tf.constant(0)
+
     @tf.function(autograph=False)
     def step():
         c.update(lambda x: x + 1.0)
-        safevars.transaction([a, b], move)
+        if where == "graph":
+            second()
+        elif where == "cond":
+            tf.cond(tf.constant(True), second, lambda: tf.constant(0))
+        else:
+            tf.while_loop(lambda i: i < 1, lambda i: (i + 1 + second(),), (tf.constant(0),))
 
     return c, a, b, step
 
@@ -51,11 +65,25 @@ def test_the_second_section_of_a_graph_takes_its_locks_after_the_first_releases(
         assert first_release in ancestors(lock), lock.name
 
 
-def test_a_graph_never_holds_a_later_section_s_locks_while_it_waits_for_an_earlier_one():
+@pytest.mark.parametrize("op_type", ["If", "While"])
+def test_a_branch_s_first_section_waits_for_the_release_before_its_cond_or_loop(op_type):
+    """The branch's sections are in a graph of their own: the ``If`` or ``While`` op that
+    runs it waits for the release of the section traced before it (a control capture)."""
+    c, a, b, step = _variables_and_step("cond" if op_type == "If" else "while_loop")
+    ops = step.get_concrete_function().graph.get_operations()
+    (release,) = [op for op in ops if op.type == "ConsumeMutexLock"]
+    (branch,) = [op for op in ops if op.type in (op_type, f"Stateless{op_type}")]
+    assert release in ancestors(branch)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_graph_never_holds_a_later_section_s_locks_while_it_waits_for_an_earlier_one(where):
     """One thread holds ``c`` eagerly while the graph runs, then takes ``a`` (the global
     order): it must get it, so the graph's transaction has not taken ``a`` while its
-    update waited for ``c``."""
-    c, a, b, step = _variables_and_step()
+    update waited for ``c``. (Without the edge, the plain graph deadlocks; a branch's
+    release is not chained to the section before the branch, so a cond or loop did not,
+    but the order checked above keeps them in program order too.)"""
+    c, a, b, step = _variables_and_step(where)
     step()  # traced and run: run-time mode, eager sections take the mutexes too
     assert all(v.statistics().eager_mutex for v in (c, a, b))
     runner = threading.Thread(target=step, name="graph step", daemon=True)
