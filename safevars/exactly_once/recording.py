@@ -18,7 +18,13 @@ from safevars import _tf_internal as tfi
 from safevars import locking, sections
 from safevars.errors import UnsupportedStrategyError
 from safevars.exactly_once.applied_tables import tables
-from safevars.exactly_once.state import _FENCING, _LOCK, _SECTION_BITS, _WATERMARK_KEY
+from safevars.exactly_once.state import (
+    _FENCING,
+    _LOCK,
+    _SECTION_BITS,
+    _WATERMARK_KEY,
+    get_or_make,
+)
 from safevars.locking import SectionLock
 
 # Stateful ops that only read. A section made only of these (and of stateless ops) is
@@ -70,12 +76,7 @@ _RECORDS: weakref.WeakKeyDictionary[SectionLock, _LockRecord] = weakref.WeakKeyD
 
 def _record_for(lock: SectionLock) -> _LockRecord:
     with _FENCING:  # A save in progress fences the locks it found: none may be added.
-        with _LOCK:
-            record = _RECORDS.get(lock)
-        if record is None:
-            record = _LockRecord(lock)
-            with _LOCK:
-                record = _RECORDS.setdefault(lock, record)
+        record = get_or_make(_RECORDS, lock, lambda: _LockRecord(lock))
     with _LOCK:
         for guard in locking._guards_of_lock(lock):
             if guard not in locking.DUPLICATE_COUNTERS:

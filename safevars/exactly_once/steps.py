@@ -14,7 +14,7 @@ from safevars import _tf_internal as tfi
 from safevars.errors import InvalidArgumentError, NotCallableError
 from safevars.exactly_once import state
 from safevars.exactly_once.recording import _Trace, _wrapping
-from safevars.exactly_once.state import _LOCK, _SECTION_BITS, _TOKENS, _USER_TOKENS
+from safevars.exactly_once.state import _LOCK, _SECTION_BITS, _TOKENS, _USER_TOKENS, get_or_make
 
 __all__ = ["ScheduledStep", "schedule"]
 
@@ -66,13 +66,7 @@ _FUNCTIONS: weakref.WeakKeyDictionary[Any, _StepFunction] = weakref.WeakKeyDicti
 
 
 def _step_function(fn: Callable[..., Any]) -> _StepFunction:
-    with _LOCK:
-        step = _FUNCTIONS.get(fn)
-    if step is None:
-        step = _StepFunction(fn)
-        with _LOCK:
-            step = _FUNCTIONS.setdefault(fn, step)
-    return step
+    return get_or_make(_FUNCTIONS, fn, lambda: _StepFunction(fn))
 
 
 class ScheduledStep:
