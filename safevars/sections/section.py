@@ -13,6 +13,7 @@ its locks instead (:mod:`safevars.sections.xla`).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -217,7 +218,9 @@ def _traced_section(
         )
 
 
-#: The releases (``ConsumeMutexLock`` ops) of the section traced last in a graph.
+#: Per tracing thread, the releases (``ConsumeMutexLock`` ops) of the section it traced
+#: last in a graph (program order is a thread's: the replica functions of
+#: ``strategy.run`` are traced into one graph by a thread each).
 _RELEASES_ATTRIBUTE = "_safevars_last_releases"
 #: Graphs traced for one op of the graph around them (never reused elsewhere).
 _BRANCH_GRAPHS = frozenset({"CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"})
@@ -236,10 +239,14 @@ def _previous_releases(graph: Any, gated: Sequence[Any] = ()) -> list[Any]:
     on a ``gated`` op (a step span's reads): they wait for this section's gate, and the
     edge would close a cycle. The first section of a ``tf.cond`` branch or a
     ``tf.while_loop`` body comes after the section before the ``If`` or ``While`` op.
+    Per tracing thread: the replicas of ``strategy.run``, traced into one graph by a
+    thread each, are not ordered after one another.
     """
+    me = threading.current_thread()
     g, previous = graph, []
     while g is not None:
-        previous = [op for op in getattr(g, _RELEASES_ATTRIBUTE, None) or () if op.graph is g]
+        releases = getattr(g, _RELEASES_ATTRIBUTE, None) or {}
+        previous = [op for op in releases.get(me, ()) if op.graph is g]
         if previous or type(g).__name__ not in _BRANCH_GRAPHS:
             break
         # The first section of a tf.cond branch or tf.while_loop body: after the last one
@@ -323,7 +330,11 @@ def _release(
         for lock, token in zip(new, locks):
             with tfi.colocate_with(lock.cs._handle):
                 released.append(tfi.consume_mutex_lock(token))
-    setattr(graph, _RELEASES_ATTRIBUTE, released)
+    releases = getattr(graph, _RELEASES_ATTRIBUTE, None)
+    if releases is None:
+        releases = weakref.WeakKeyDictionary()
+        setattr(graph, _RELEASES_ATTRIBUTE, releases)
+    releases[threading.current_thread()] = released
     with tf.control_dependencies(released):
         leaves = [coarsening.after_release(x) for x in tf.nest.flatten(result)]
     if joinable:

@@ -100,3 +100,39 @@ def test_a_graph_never_holds_a_later_section_s_locks_while_it_waits_for_an_earli
     assert not runner.is_alive(), "the graph step never finished"
     assert [float(v.numpy()) for v in (c, a, b)] == [2.0, 98.0, 2.0]
     assert [v.version for v in (c, a, b)] == [2, 2, 2]
+
+
+def test_replicas_traced_into_one_graph_are_not_ordered_after_one_another(mirrored_strategy):
+    """``strategy.run`` traces each replica's function into the step's graph from a thread
+    of its own: a replica's sections keep their order, and no replica waits for another's
+    releases (an order between replicas is not the program's, and could wait for a
+    collective the other replica only reaches later)."""
+    c, a, b, _ = _variables_and_step()
+
+    def replica() -> None:
+        c.update(lambda x: x + 1.0)
+        safevars.transaction([a, b], lambda: (a.assign_sub(1.0), b.assign_add(1.0)))
+
+    @tf.function(autograph=False)
+    def step():
+        mirrored_strategy.run(replica)
+
+    ops = step.get_concrete_function().graph.get_operations()
+    replicas = mirrored_strategy.num_replicas_in_sync
+    assert replicas >= 2
+
+    def of(op):
+        return int(op.name.split("/")[0].split("_")[1]) if op.name.startswith("replica_") else 0
+
+    locks = [op for op in ops if op.type == "MutexLock"]
+    releases = [op for op in ops if op.type == "ConsumeMutexLock"]
+    assert len(locks) == len(releases) == 3 * replicas
+    for lock in locks:  # (TensorFlow orders the uses of one mutex across replicas itself)
+        waited = {of(op) for op in lock.control_inputs if op.type == "ConsumeMutexLock"}
+        assert waited <= {of(lock)}, (lock.name, waited)
+    for index in range(replicas):  # each replica's transaction after its own update
+        (first,) = [op for op in releases if of(op) == index and "safevars_update" in op.name]
+        mine = [op for op in locks if of(op) == index and "safevars_update" not in op.name]
+        assert mine and all(first in ancestors(lock) for lock in mine)
+    step()
+    assert [float(v.numpy()) for v in (c, a, b)] == [replicas, 100.0 - replicas, replicas]
