@@ -69,14 +69,23 @@ NOTES:
     discarded at run time. A retry must call the same function with arguments of the
     same types and shapes (the same trace).
   * Writes made outside safevars (a plain ``tf.Variable.assign``) are not protected.
+
+Where things live (each module imports only those above it):
+
+* ``state.py``: the key layout, the tokens, the locks, and this process's tables.
+* ``applied_tables.py``: :class:`Tables` (one table per parameter server, the
+  watermark) and :func:`tables`.
+* ``recording.py``: a step's sections, each looked up by its key and applied and
+  recorded, or discarded and counted.
+* ``steps.py``: :func:`schedule` and :class:`ScheduledStep`.
+* ``checkpoints.py``: a save that holds the tables is fenced, a restore rereads the
+  watermark (installed over ``TrackableSaver`` when this package is imported).
 """
 
 from __future__ import annotations
 
-from safevars.exactly_once import checkpoints
+from safevars.exactly_once import checkpoints as _checkpoints  # noqa: F401  (installs it)
 from safevars.exactly_once.applied_tables import Tables, tables
 from safevars.exactly_once.steps import ScheduledStep, schedule
 
 __all__ = ["ScheduledStep", "Tables", "schedule", "tables"]
-
-checkpoints._install()

@@ -131,3 +131,6 @@ def _install() -> None:
         current = getattr(owner, name)
         if not getattr(current, "_safevars_exactly_once", False):
             setattr(owner, name, (_saving if name == "save" else _restoring)(current))
+
+
+_install()
