@@ -25,7 +25,7 @@ from safevars.distribute import on_parameter_server
 from safevars.errors import LockOrderError
 from safevars.locking import Guard, SectionLock, sorted_locks
 from safevars.sections import coarsening
-from safevars.sections.gate import Ungated, narrow, open_gate, stateful
+from safevars.sections.gate import Ungated, narrow, op_sources, open_gate, stateful
 from safevars.sections.reentry import record_graph_locks
 from safevars.sections.tracing import (
     _enclosing_sections,
@@ -266,7 +266,7 @@ def _depends_on(ops: list[Any], targets: set[Any]) -> bool:
         op = stack.pop()
         if op in targets:
             return True
-        for parent in [*(t.op for t in op.inputs), *op.control_inputs]:
+        for parent in op_sources(op):
             if parent not in seen:
                 seen.add(parent)
                 stack.append(parent)
