@@ -32,9 +32,13 @@ _CHILD = textwrap.dedent(
     import safevars
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump
-    trials, trial_deadline = int(sys.argv[1]), float(sys.argv[2])
+    trials, trial_deadline, resend_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     rng = random.Random(45)
     pid = os.getpid()
+    # "started" and "finished" count the trials of all cases and are never reset: the
+    # sender waits for finished == started, and a reset at a new case (when it had not
+    # looked yet) would leave it waiting for a trial number that never comes, sending
+    # nothing (seen under load as interrupts "swallowed" at each new case's 4th trial).
     state = {"case": "", "started": 0, "finished": 0, "resent": 0}
 
     def sender():  # one SIGINT per trial, once the main thread is inside its loop
@@ -48,7 +52,7 @@ _CHILD = textwrap.dedent(
             since = time.monotonic()
             while state["finished"] != sent:
                 time.sleep(0.0002)
-                if time.monotonic() - since > 5:  # swallowed: counted, and sent again
+                if time.monotonic() - since > resend_after:  # swallowed: counted, sent again
                     state["resent"] += 1
                     if state["resent"] > 3:
                         print(json.dumps({"swallowed": state}), flush=True)
@@ -98,9 +102,9 @@ _CHILD = textwrap.dedent(
         v, keep = make(runtime)
         for _ in range(5):
             op(v)
-        state["case"], state["finished"], state["started"] = name, 0, 0
+        state["case"] = name
         for t in range(1, trials + 1):
-            state["started"] = t
+            state["started"] += 1
             try:
                 while True:
                     op(v)
@@ -110,8 +114,8 @@ _CHILD = textwrap.dedent(
             held = len(safevars.held_locks())
             if stats.locked or held or float(v.numpy()) != v.version:
                 bad.append([name, t, stats.locked, held, float(v.numpy()), v.version])
-            state["finished"] = t
-        done[name] = state["finished"]
+            state["finished"] = state["started"]
+            done[name] = t
     print(json.dumps({"done": done, "bad": bad, "resent": state["resent"]}), flush=True)
     """
 )
@@ -123,7 +127,8 @@ def test_sigint_into_looping_writes_never_hangs_orphans_a_lock_or_splits_a_versi
     try:
         with tempfile.TemporaryFile(mode="w+") as stderr:
             child = subprocess.Popen(
-                [sys.executable, "-X", "faulthandler", "-c", _CHILD, str(TRIALS), str(scaled(60))],
+                [sys.executable, "-X", "faulthandler", "-c", _CHILD]
+                + [str(TRIALS), str(scaled(60)), str(scaled(5))],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
