@@ -277,6 +277,32 @@ def _context_handle_without_check_point() -> None:
 _context_handle_without_check_point()
 
 
+def _type_checks_without_check_point() -> None:
+    """Works around TensorFlow dropping a Ctrl-C that lands in its eager fast path.
+
+    The fast path (``TFE_Py_FastPathExecute``, which every eager write of safevars and
+    every generated op function calls) asks of each input that is not an eager tensor
+    whether it is a ``ResourceVariable``: an ``isinstance`` against an abstract base
+    class, which runs Python code (``ABCMeta.__instancecheck__``) the first time it meets
+    a type, after which TensorFlow caches the answer per type. A ``KeyboardInterrupt``
+    raised in that Python code is dropped: the fast path goes on, the op runs and the
+    interrupt is lost (plain TensorFlow too, e.g. ``assign_add_variable_op(handle,
+    1.0)`` in a fresh process). Asking the same cached question here, for the value
+    types writes are usually given, fills TensorFlow's cache, so the fast path runs no
+    Python code for them; an interrupt during this warm-up is raised as usual.
+    """
+    import numpy as np
+
+    numpy_scalars = (np.float16, np.float32, np.float64, np.complex64, np.complex128, np.bool_)
+    numpy_scalars += (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32)
+    samples = [0.0, 0, False, 0j, [], (), np.zeros(()), *(t(0) for t in numpy_scalars)]
+    for sample in samples:
+        _pywrap_utils.IsResourceVariable(sample)
+
+
+_type_checks_without_check_point()
+
+
 def in_xla_context(graph=None) -> bool:
     """Whether ops built now go into an XLA-compiled function (``jit_compile=True``)."""
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())

@@ -7,6 +7,10 @@ process keeps the CPUs loaded. After every trial the ``KeyboardInterrupt`` must 
 ended the loop (no hang, nothing swallowed), the lock must be free, no lock held, and the
 value must equal the version (each write adds 1 to both). A trial that does not end is
 reported with every thread's stack; a crash with the child's output.
+
+TensorFlow's eager fast path drops a ``KeyboardInterrupt`` raised in Python code it calls
+(the ``isinstance`` of a value type it meets for the first time): the second test checks
+that the first write of each common value type runs no Python code there.
 """
 
 from __future__ import annotations
@@ -159,3 +163,73 @@ def test_sigint_into_looping_writes_never_hangs_orphans_a_lock_or_splits_a_versi
     assert result["done"] == dict.fromkeys(cases, TRIALS), result
     assert result["bad"] == [], f"lock held or value and version split after a trial: {result}"
     assert result["resent"] == 0, f"a KeyboardInterrupt was swallowed: {result}"
+
+
+_FAST_PATH_CHILD = textwrap.dedent(
+    """
+    import inspect, json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import safevars
+    from safevars.locking.guard import Guard
+
+    # The line of write_counted that runs the write and the count as one chain of C
+    # calls (TensorFlow's fast path among them): a Python frame entered from it is a
+    # check point inside the fast path, where TensorFlow drops a KeyboardInterrupt.
+    lines, first = inspect.getsourcelines(Guard.write_counted)
+    chain = first + next(i for i, line in enumerate(lines) if "_consume(" in line)
+    code = Guard.write_counted.__code__
+    entered = []
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if event == "call" and caller is not None and caller.f_code is code:
+            if caller.f_lineno == chain:
+                entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    values = {
+        "float": 1.0, "int": 1, "numpy float32": np.float32(1.0),
+        "numpy float64": np.float64(1.0), "numpy int64": np.int64(1),
+        "numpy array": np.array(1.0, np.float32),
+    }
+    found, writes = {}, 0
+    for runtime in (False, True):
+        for name, value in values.items():
+            v = safevars.SafeVariable(0.0)
+            keep = None
+            if runtime:
+                keep = tf.function(lambda: v.assign_add(1.0), autograph=False)
+                keep()
+            sys.setprofile(profile)
+            try:
+                v.assign_add(value, read_value=False)  # the first write of this type
+                v.assign(value, read_value=False)
+            finally:
+                sys.setprofile(None)
+            writes += 2
+            if entered:
+                found[f"{name}{', run-time mode' if runtime else ''}"] = sorted(set(entered))
+                del entered[:]
+    print(json.dumps({"found": found, "writes": writes}), flush=True)
+    """
+)
+
+
+def test_tensorflow_fast_path_runs_no_python_code_in_a_write_of_a_common_value_type():
+    """The first write of a Python or NumPy number runs no Python code inside TensorFlow's
+    fast path (where a KeyboardInterrupt would be dropped), eagerly and in run-time mode,
+    in a fresh process (TensorFlow caches its type checks per process)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    child = subprocess.run(
+        [sys.executable, "-c", _FAST_PATH_CHILD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=scaled(300),
+    )
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    assert child.returncode == 0 and lines, child.stdout[-3000:] + child.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["writes"] == 24
+    assert result["found"] == {}, f"Python code ran inside the fast path: {result['found']}"
