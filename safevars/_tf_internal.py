@@ -293,9 +293,9 @@ def _type_checks_without_check_point() -> None:
     """
     import numpy as np
 
-    numpy_scalars = (np.float16, np.float32, np.float64, np.complex64, np.complex128, np.bool_)
-    numpy_scalars += (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32)
-    samples = [0.0, 0, False, 0j, [], (), np.zeros(()), *(t(0) for t in numpy_scalars)]
+    numbers = "float16 float32 float64 complex64 complex128 bool int8 int16 int32 int64 uint8"
+    samples: list[Any] = [0.0, 0, False, 0j, [], (), np.zeros(())]
+    samples += [np.zeros((), name)[()] for name in numbers.split()]  # NumPy scalars
     for sample in samples:
         _pywrap_utils.IsResourceVariable(sample)
 
