@@ -53,6 +53,8 @@ CORE_TESTS = [
     "tests/variable",  # SafeVariable: writes, versions, snapshots, errors
     "tests/locking/test_locks.py",  # locks, eager and in graphs
     "tests/locking/test_runtime_mode.py",  # run-time mode, XLA-only locks
+    # TensorFlow's fast path runs no Python code in a first write (a Ctrl-C is kept)
+    "tests/locking/test_ctrl_c.py::test_tensorflow_fast_path_runs_no_python_code_in_a_write_of_a_common_value_type",
     "tests/sections/test_reentrant_sections.py",  # sections in graphs, re-entry
     "tests/sections/test_xla.py",  # sections in XLA-compiled functions
     # SafeOptimizer, with model.fit, savers, mixed precision (not the clusters)

@@ -172,20 +172,23 @@ _FAST_PATH_CHILD = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
     import safevars
+    from safevars import _tf_internal as tfi
     from safevars.locking.guard import Guard
 
     # The line of write_counted that runs the write and the count as one chain of C
     # calls (TensorFlow's fast path among them): a Python frame entered from it is a
-    # check point inside the fast path, where TensorFlow drops a KeyboardInterrupt.
+    # check point inside the fast path, where TensorFlow drops a KeyboardInterrupt. On
+    # Python 3.10 call_each is a Python function that builds the chain before it runs.
     lines, first = inspect.getsourcelines(Guard.write_counted)
     chain = first + next(i for i, line in enumerate(lines) if "_consume(" in line)
     code = Guard.write_counted.__code__
+    builder = getattr(tfi.call_each, "__code__", None)
     entered = []
 
     def profile(frame, event, arg):
         caller = frame.f_back
         if event == "call" and caller is not None and caller.f_code is code:
-            if caller.f_lineno == chain:
+            if caller.f_lineno == chain and frame.f_code is not builder:
                 entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
 
     values = {
