@@ -13,6 +13,10 @@ suite runs against (:data:`TESTED_TENSORFLOW`, :data:`TESTED_KERAS`, the same ra
 API of safevars may still work, but the private symbols below are where a release breaks
 it.
 
+At import it also keeps Python code out of two places inside TensorFlow's C code where a
+Ctrl-C is mishandled (:func:`_context_handle_without_check_point`,
+:func:`_type_checks_without_check_point`).
+
 What differs between the supported Python, TensorFlow and Keras versions is settled here
 too, each with its test in ``tests/test_tf_internal.py``: no other module of safevars
 looks at a version.
