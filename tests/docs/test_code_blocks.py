@@ -8,6 +8,7 @@ summary at the end of the run names the slowest blocks.
 from __future__ import annotations
 
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,6 +110,19 @@ def test_code_lines_fit() -> None:
         if len(line) > MAX_COLUMNS
     ]
     assert not long, f"lines over {MAX_COLUMNS} columns: {long}"
+
+
+def test_no_placeholder_is_left_in_the_markdown() -> None:
+    """A figure to fill in later (``TIME_PLACEHOLDER``) never reaches a reader."""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md"]
+    pages += sorted((ROOT / "docs").rglob("*.md"))
+    left = [
+        f"{page.relative_to(ROOT)}:{number}"
+        for page in pages
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"[A-Z]+_PLACEHOLDER|\bTBD\b", line)
+    ]
+    assert not left, f"placeholders left in: {left}"
 
 
 def test_readme_is_short() -> None:
