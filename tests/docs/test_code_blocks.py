@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs import conftest
-from tests.docs.code_blocks import ROOT, Block, Outcome, all_blocks, blocks_of, run
+from tests.docs.code_blocks import DOCUMENTS, ROOT, Block, Outcome, all_blocks, blocks_of, run
 
 BLOCKS = all_blocks()
 RUNNABLE = {b.id: b for b in BLOCKS if b.fragment is None}
@@ -114,8 +114,8 @@ def test_code_lines_fit() -> None:
 
 def test_no_placeholder_is_left_in_the_markdown() -> None:
     """A figure to fill in later (``TIME_PLACEHOLDER``) never reaches a reader."""
-    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md"]
-    pages += sorted((ROOT / "docs").rglob("*.md"))
+    patterns = (*DOCUMENTS, "CHANGELOG.md", "CONTRIBUTING.md")
+    pages = sorted({page for pattern in patterns for page in ROOT.glob(pattern)})
     left = [
         f"{page.relative_to(ROOT)}:{number}"
         for page in pages
