@@ -10,9 +10,13 @@ from tests.support.benchmark_fakes import CPU
 
 def test_data_pipelines_live_from_their_first_call_to_the_case_teardown(monkeypatch):
     # A live pipeline runs threads of its own: none may run while another case is timed.
-    # One warm-up call per extra instance, not three: warming is not what is tested here
-    # (the next test is about it), and each call reads 1,024 elements.
+    # One warm-up call per extra instance, not three, and small pipelines (4,096
+    # elements, 64 a call, not 65,536 and 1,024): what is tested is when they live, not
+    # their size or warm-up (the next test). At full size this test took 3 s alone and
+    # 56-62 s in the suite, where the other worker's load starves tf.data's threads.
     monkeypatch.setattr(bench_data, "WARMUP_CALLS", 1)
+    monkeypatch.setattr(bench_data, "ELEMENTS_PER_CALL", 64)
+    monkeypatch.setattr(bench_data, "num_elements", lambda ctx: 4_096)
     for quick, single_element_instances in ((True, 1), (False, bench_data.INSTANCES)):
         lazy = bench_data.cases(devices.make_context(CPU, quick=quick))
         batched, elements = (case.build() for case in lazy)  # each built at its turn
