@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import portpicker
 
+from tests.support import forked
 from tests.support.deadlines import scaled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +53,17 @@ ATTEMPTS = 3
 _GRACE = 5.0
 
 
+def _start(
+    command: list[str], out: str, err: str, env: dict[str, str]
+) -> subprocess.Popen[str] | forked.Process:
+    """``python *command``: forked from a server that imported TensorFlow
+    (:mod:`tests.support.forked`), or a new process with ``SAFEVARS_TEST_FORK=0``."""
+    if forked.enabled():
+        return forked.start(command, out, err, env=env)
+    with open(out, "w") as o, open(err, "w") as e:
+        return subprocess.Popen([sys.executable, *command], stdout=o, stderr=e, env=env)
+
+
 def _run_all(
     commands: list[list[str]], timeout: float, dump_after: bool
 ) -> list[tuple[int | None, str, str]]:
@@ -71,10 +83,7 @@ def _run_all(
             files.enter_context(open(os.path.join(tmp, f"{i}.err"), "w+"))
             for i in range(len(commands))
         ]
-        procs = [
-            subprocess.Popen([sys.executable, *c], stdout=o, stderr=e, text=True, env=env)
-            for c, o, e in zip(commands, outs, errs)
-        ]
+        procs = [_start(c, o.name, e.name, env) for c, o, e in zip(commands, outs, errs)]
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:

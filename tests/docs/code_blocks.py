@@ -13,17 +13,15 @@ The reason is required. Fragments are listed in the test's summary, so they stay
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import re
-import runpy
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
+from tests.support import forked
 from tests.support.deadlines import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,32 +133,18 @@ def environment() -> dict[str, str]:
     return env
 
 
-#: What a forked block starts with: these modules imported, nothing run (no device set
-#: up, no eager context), so a block may still configure logical devices first.
-PRELOAD = ("numpy", "tensorflow", "keras", "safevars")
-
-
-def forking() -> bool:
-    """Whether blocks run forked from a process that imported :data:`PRELOAD` once
-    (``SAFEVARS_DOC_FORK=0``: each in a new ``python`` process, as a user runs it)."""
-    return (
-        os.environ.get("SAFEVARS_DOC_FORK", "1") != "0"
-        and "forkserver" in multiprocessing.get_all_start_methods()
-    )
-
-
 def run(block: Block, timeout: float = TIMEOUT_S, fork: bool | None = None) -> Outcome:
     """Runs ``block`` in a fresh process, in an empty directory, as ``snippet.py``.
 
-    Forked (the default, see :func:`forking`): the process is a fork of a server that
-    imported :data:`PRELOAD` and nothing else, and runs the file with a fresh
-    ``__main__`` namespace, so a missing import still fails; it saves TensorFlow's
-    import per block (several seconds). Not forked: ``python snippet.py``.
+    Forked (the default, see :mod:`tests.support.forked`): the process is a fork of a
+    server that imported NumPy, TensorFlow, Keras and safevars and nothing else, and
+    runs the file with a fresh ``__main__`` namespace; it saves TensorFlow's import per
+    block (several seconds). Not forked (``SAFEVARS_TEST_FORK=0``): ``python snippet.py``.
     """
     with tempfile.TemporaryDirectory(prefix="safevars-doc-") as directory:
         script = Path(directory) / "snippet.py"
         script.write_text(block.code, encoding="utf-8")
-        if fork if fork is not None else forking():
+        if fork if fork is not None else forked.enabled():
             return _run_forked(script, timeout)
         start = time.perf_counter()
         try:
@@ -184,50 +168,21 @@ def run(block: Block, timeout: float = TIMEOUT_S, fork: bool | None = None) -> O
 
 
 def _run_forked(script: Path, timeout: float) -> Outcome:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
     out, err = script.with_suffix(".out"), script.with_suffix(".err")
-    process = context.Process(target=_child, args=(str(script), str(out), str(err)))
     start = time.perf_counter()
-    process.start()
-    process.join(timeout)
-    killed = process.is_alive()
+    process = forked.start(
+        [script.name], str(out), str(err), env=environment(), cwd=str(script.parent)
+    )
+    killed = process.wait(timeout) is None
     if killed:
         process.kill()
-        process.join()
+        process.wait()
     seconds = time.perf_counter() - start
     stdout = out.read_text(errors="replace") if out.exists() else ""
     stderr = err.read_text(errors="replace") if err.exists() else ""
     if killed:
         return Outcome(None, seconds, stdout, stderr + f"\n(killed after {timeout:.0f} s)")
-    return Outcome(process.exitcode, seconds, stdout, stderr)
-
-
-def _child(script: str, out: str, err: str) -> None:
-    """In the forked process: output to files (file descriptors 1 and 2 too, for
-    TensorFlow's C++ log), then the script as ``__main__`` from its directory."""
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "w") as f:
-            os.dup2(f.fileno(), fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.chdir(os.path.dirname(script))
-    sys.argv = [script]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    return Outcome(process.returncode, seconds, stdout, stderr)
 
 
 def _text(output: str | bytes | None) -> str:
