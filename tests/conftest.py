@@ -151,22 +151,22 @@ DIST = "loadfile"
 #: unit of work, and a long one started last would end the run alone. Order only (no test
 #: depends on it); from a run's ``--durations``, longest first.
 LONG_FILES = (
-    "tests/test_exactly_once.py",
-    "tests/locking/test_memory.py",
-    "tests/test_exactly_once_checkpoints.py",
-    "tests/locking/test_ctrl_c.py",
-    "tests/benchmarks/test_quick_suite.py",
     "tests/conformance/test_keras_models.py",
+    "tests/test_exactly_once.py",
+    "tests/conformance/test_bitwise_models.py",
+    "tests/benchmarks/test_quick_suite.py",
+    "tests/accumulator/test_determinism.py",
+    "tests/accumulator/test_add_and_take.py",
+    "tests/locking/test_faults.py",
+    "tests/locking/test_memory.py",
+    "tests/scope/test_scope.py",
     "tests/accumulator/test_distributed.py",
-    "tests/data/test_distributed.py",
+    "tests/optimizer/test_fidelity.py",
     "tests/docs/test_code_blocks.py",
-    "tests/optimizer/test_distributed.py",
     "tests/locking/test_checkpoints.py",
     "tests/accumulator/test_xla.py",
-    "tests/rng/test_distributed.py",
-    "tests/scope/test_distributed.py",
-    "tests/scope/test_scope.py",
-    "tests/accumulator/test_determinism.py",
+    "tests/accumulator/test_add_take.py",
+    "tests/locking/test_runtime_mode.py",
 )
 
 
