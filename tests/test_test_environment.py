@@ -7,10 +7,13 @@
   ``pyproject.toml`` and ``conftest.py``.
 * The thread helpers (``tests/support/threading_harness.py``) join every thread against one
   deadline, so n deadlocked threads fail after one timeout, not n.
+* A child forked from the preloaded server (``tests/support/forked.py``) gets what a new
+  ``python`` process would: arguments, environment, directory, exit status.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -26,7 +29,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 import safevars
-from tests.support import threading_harness
+from tests.support import forked, threading_harness
 from tests.support.deadlines import scaled
 from tests.support.threading_harness import call_bounded, join_all, run_threads
 
@@ -240,3 +243,59 @@ def test_call_bounded_returns_reraises_and_fails_when_stuck(stuck):
         call_bounded(lambda: {}["inside"])
     with pytest.raises(AssertionError, match=f"still running after {scaled(0.1)}s"):
         call_bounded(stuck.wait, timeout=0.1)
+
+
+# ---------------------------------------------------------------------- forked children
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "python"])
+def test_a_child_gets_the_arguments_environment_and_directory_python_would(tmp_path, fork):
+    """A cluster script or documentation block runs forked from a server that imported
+    TensorFlow (``tests/support/forked.py``): as ``python script.py ARGS`` would, with
+    its arguments, its own environment only (not the server's: ``tests/conftest.py``
+    set ``TF_CPP_MIN_LOG_LEVEL`` before the server started), its directory and its exit
+    status."""
+    assert "TF_CPP_MIN_LOG_LEVEL" in os.environ
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'cwd': os.getcwd(),\n"
+        "    'mine': os.environ.get('MINE'), 'log': os.environ.get('TF_CPP_MIN_LOG_LEVEL'),\n"
+        "    'main': __name__, 'path0': sys.path[0]}))\n"
+        "sys.exit(int(sys.argv[2]))\n"
+    )
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = {"MINE": "yes", "PATH": os.environ.get("PATH", "")}
+    if fork:
+        child = forked.start([str(script), "a b", "3"], str(out), str(err), env, str(tmp_path))
+    else:
+        with open(out, "w") as o:
+            child = subprocess.Popen(
+                [sys.executable, str(script), "a b", "3"], stdout=o, env=env, cwd=tmp_path
+            )
+    assert child.wait(scaled(60)) == 3
+    assert json.loads(out.read_text()) == {
+        "argv": ["a b", "3"],
+        "cwd": str(tmp_path),
+        "mine": "yes",
+        "log": None,
+        "main": "__main__",
+        "path0": str(tmp_path),
+    }
+
+
+def test_a_forked_child_reports_code_errors_and_can_be_killed(tmp_path):
+    out, err = str(tmp_path / "out"), str(tmp_path / "err")
+    child = forked.start(
+        ["-c", "import sys; print(sys.argv[1:]); raise SystemExit('no')", "x"], out, err
+    )
+    assert child.wait(scaled(60)) == 1
+    assert (tmp_path / "out").read_text() == "['x']\n"
+    assert (tmp_path / "err").read_text().strip() == "no"
+    child = forked.start(["-c", "raise ValueError('bad')"], out, err)
+    assert child.wait(scaled(60)) == 1
+    assert "ValueError: bad" in (tmp_path / "err").read_text()
+    child = forked.start(["-c", "import time; time.sleep(600)"], out, err)
+    assert child.poll() is None
+    child.kill()
+    assert child.wait(scaled(60)) == -9
