@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from safevars import _tf_internal as tfi
 from safevars.distribute import on_parameter_server
 from safevars.errors import InvalidArgumentError, LockTimeoutError, UnsupportedStrategyError
-from safevars.locking.ownership import _caller_location
+from safevars.locking.ownership import _caller_location, holder_of
 
 if TYPE_CHECKING:
     from safevars.locking.section_lock import SectionLock
@@ -73,7 +73,7 @@ def enter(lock: SectionLock, me: threading.Thread, timeout: float | None) -> Non
         if lock.mutexed:
             lock._token = _mutex_lock(lock, timeout)
     except BaseException:
-        if slot and slot[0] is me:  # Taken in this call: give it back, no calls first.
+        if me in slot:  # Taken in this call: give it back, no calls first.
             if lock.seq & 1:
                 lock.seq += 1
             lock._depth = 0
@@ -96,15 +96,15 @@ def _take(lock: SectionLock, me: threading.Thread, timeout: float | None) -> Non
     """
     slot, mutex = lock._slot, lock._mutex
     slot.extend(itertools.compress((me,), map(mutex.acquire, (False,))))
-    if slot and slot[0] is me:
+    if me in slot:
         return
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
         slot.extend(itertools.compress((me,), map(mutex.acquire, (True,), (wait,))))
-        if slot and slot[0] is me:
+        if me in slot:
             return
-        holder = slot[0] if slot else None
+        holder = holder_of(slot)
         if holder is not None and not holder.is_alive() and _take_back(lock, holder, me):
             return
         if deadline is not None and time.monotonic() >= deadline:
@@ -121,7 +121,7 @@ def _take_back(lock: SectionLock, dead: threading.Thread, me: threading.Thread) 
     """
     with _TAKEOVER:
         slot = lock._slot
-        if not slot or slot[0] is not dead:
+        if dead not in slot:
             return False
         lock._token = None
         if lock.seq & 1:

@@ -24,7 +24,7 @@ from safevars.locking.acquisition import enter
 from safevars.locking.holding import hold
 from safevars.locking.joint_counter import JointCounter
 from safevars.locking.lock_order import _check_order
-from safevars.locking.ownership import _current_thread, _held, _holding
+from safevars.locking.ownership import _current_thread, _held, _holding, holder_of
 from safevars.locking.runtime_mode import ensure_runtime, undo_runtime, use_in_graph
 from safevars.locking.section_lock import _GUARDS_BY_LOCK, SectionLock, _guards_of_lock
 from safevars.locking.statistics import LockStatistics, _duplicates_of
@@ -142,7 +142,7 @@ class Guard:
         while True:
             lock = self.lock
             slot = lock._slot
-            if slot and slot[0] is me:
+            if me in slot:
                 lock._depth += 1
                 try:
                     result = fn()
@@ -164,7 +164,7 @@ class Guard:
                     self._count(writes)
                 return result
             finally:
-                if slot and slot[0] is me and lock._depth == 1:
+                if me in slot and lock._depth == 1:
                     lock.seq += 1  # The release: attribute stores, then one C call.
                     lock._depth = 0
                     lock._token = None
@@ -291,8 +291,7 @@ class Guard:
 
     def statistics(self) -> LockStatistics:
         lock = self.lock
-        slot = lock._slot
-        holder = slot[0] if slot else None
+        holder = holder_of(lock._slot)
         return LockStatistics(
             order=lock.order,
             locked=lock._mutex.locked(),

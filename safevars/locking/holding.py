@@ -58,8 +58,7 @@ class _Hold:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
             for index, lock in enumerate(locks):
-                slot = lock._slot
-                if slot and slot[0] is me:
+                if me in lock._slot:
                     lock._depth += 1
                     self._n = index + 1
                     continue

@@ -17,6 +17,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from safevars.locking.ownership import holder_of
 from safevars.locking.statistics import _LOCKS, HeldLock
 
 _ORDER = itertools.count()  # Each lock's place in the global lock order (lock_order.py).
@@ -92,14 +93,12 @@ class SectionLock:
         return self.names[0] if len(self.names) == 1 else "+".join(self.names)
 
     def holder(self) -> threading.Thread | None:
-        slot = self._slot
-        return slot[0] if slot else None
+        return holder_of(self._slot)
 
     def held_record(self, now: float) -> HeldLock | None:
-        slot = self._slot
-        if not slot:
+        thread = holder_of(self._slot)
+        if thread is None:
             return None
-        thread = slot[0]
         return HeldLock(
             variables=tuple(self.names),
             thread_name=thread.name,
