@@ -539,19 +539,51 @@ class _ReleaseAt:
     def __init__(self, slot: list, k: int) -> None:
         self.slot, self.k, self.seen, self.fired = slot, k, 0, False
 
-    def __call__(self, frame, event, arg):
-        if not frame.f_globals.get("__name__", "").startswith("safevars.locking"):
+    def before_bytecode(self) -> None:
+        if self.seen == self.k:
+            del self.slot[:]
+            self.fired = True
+        self.seen += 1
+
+    def __enter__(self) -> _ReleaseAt:
+        self._thread = threading.get_ident()
+        if sys.version_info >= (3, 12):  # (3.12.1 reports no opcode events to settrace)
+            monitoring = sys.monitoring
+            self._tool = next(t for t in range(6) if monitoring.get_tool(t) is None)
+            monitoring.use_tool_id(self._tool, "safevars-test")
+            monitoring.register_callback(
+                self._tool, monitoring.events.INSTRUCTION, self._instruction
+            )
+            monitoring.set_events(self._tool, monitoring.events.INSTRUCTION)
+        else:
+            sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if sys.version_info >= (3, 12):
+            monitoring = sys.monitoring
+            monitoring.set_events(self._tool, 0)
+            monitoring.register_callback(self._tool, monitoring.events.INSTRUCTION, None)
+            monitoring.free_tool_id(self._tool)
+        else:
+            sys.settrace(None)
+
+    def _instruction(self, code, offset):
+        if "/safevars/locking/" not in code.co_filename.replace(os.sep, "/"):
+            return sys.monitoring.DISABLE  # (other code: not reported again to this tool)
+        if threading.get_ident() == self._thread:
+            self.before_bytecode()
+        return None
+
+    def _trace(self, frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("safevars.locking") or threading.get_ident() != self._thread:
             return None
         if event == "call":
             frame.f_trace_opcodes = True
         elif event == "opcode":
-            if self.seen == self.k:
-                sys.settrace(None)
-                del self.slot[:]
-                self.fired = True
-                return None
-            self.seen += 1
-        return self
+            self.before_bytecode()
+        return self._trace
 
 
 def test_a_release_while_another_thread_asks_who_holds_the_lock_never_raises():
@@ -579,11 +611,10 @@ def test_a_release_while_another_thread_asks_who_holds_the_lock_never_raises():
         while True:
             lock._slot[:] = [other]
             release = _ReleaseAt(lock._slot, k)
-            sys.settrace(release)
             try:
-                answer = read()
+                with release:
+                    answer = read()
             finally:
-                sys.settrace(None)
                 del lock._slot[:]
             assert answer in answers, (name, k, answer)
             if not release.fired:
