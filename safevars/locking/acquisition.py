@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from safevars import _tf_internal as tfi
 from safevars.distribute import on_parameter_server
 from safevars.errors import InvalidArgumentError, LockTimeoutError, UnsupportedStrategyError
-from safevars.locking.ownership import _caller_location, holder_of
+from safevars.locking.ownership import _caller_location
+from safevars.locking.section_lock import holder_of
 
 if TYPE_CHECKING:
     from safevars.locking.section_lock import SectionLock

@@ -24,9 +24,14 @@ from safevars.locking.acquisition import enter
 from safevars.locking.holding import hold
 from safevars.locking.joint_counter import JointCounter
 from safevars.locking.lock_order import _check_order
-from safevars.locking.ownership import _current_thread, _held, _holding, holder_of
+from safevars.locking.ownership import _current_thread, _held, _holding
 from safevars.locking.runtime_mode import ensure_runtime, undo_runtime, use_in_graph
-from safevars.locking.section_lock import _GUARDS_BY_LOCK, SectionLock, _guards_of_lock
+from safevars.locking.section_lock import (
+    _GUARDS_BY_LOCK,
+    SectionLock,
+    _guards_of_lock,
+    holder_of,
+)
 from safevars.locking.statistics import LockStatistics, _duplicates_of
 
 _VALUE_KEY = "VARIABLE_VALUE"  # trackable.VARIABLE_VALUE_KEY: a variable's checkpoint entry

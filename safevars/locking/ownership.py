@@ -3,7 +3,8 @@
 A :class:`~safevars.locking.section_lock.SectionLock` is held by a ``threading.Thread``
 object (``lock._slot == [thread]`` while held), never by a thread identifier, so a new
 thread that reuses an ended thread's identifier is a different holder. Only the holder
-empties the slot, so another thread reads it once (``me in slot``, :func:`holder_of`):
+empties the slot, so another thread reads it once (``me in slot``,
+:func:`~safevars.locking.section_lock.holder_of`):
 a check and then an index could see it full, then empty. Each thread keeps
 the locks it may hold eagerly in a thread-local list (:func:`_held`), pruned lazily by
 the lock order check (:mod:`safevars.locking.lock_order`). Graph sections keep their
@@ -45,14 +46,6 @@ def _holding(lock: SectionLock, me: threading.Thread) -> bool:
     # One read of the slot: ``slot and slot[0] is me`` reads it twice, and the holder
     # (another thread) can empty it in between, raising IndexError.
     return me in lock._slot
-
-
-def holder_of(slot: list[threading.Thread]) -> threading.Thread | None:
-    """The thread in a lock's slot, or None, read once: safe while the holder, another
-    thread, empties the slot (a list iterator stops at the list's current end)."""
-    for thread in slot:
-        return thread
-    return None
 
 
 def _caller_location() -> str:

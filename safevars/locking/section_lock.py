@@ -17,10 +17,17 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from safevars.locking.ownership import holder_of
 from safevars.locking.statistics import _LOCKS, HeldLock
 
 _ORDER = itertools.count()  # Each lock's place in the global lock order (lock_order.py).
+
+
+def holder_of(slot: list[threading.Thread]) -> threading.Thread | None:
+    """The thread in a lock's slot, or None, read once: safe while the holder, another
+    thread, empties the slot (a list iterator stops at the list's current end)."""
+    for thread in slot:
+        return thread
+    return None
 
 
 class SectionLock:
