@@ -8,7 +8,10 @@ one lock). Goals (issue 35): each training at most 1.05x the baseline, whatever 
 size, and:
 
 * ``custom_step``: a ``tf.function`` training step (forward, backward,
-  ``apply_gradients``), ``SafeOptimizer(Adam)`` on the scope's model;
+  ``apply_gradients``), ``SafeOptimizer(Adam)`` on the scope's model; full runs also time
+  the plain model's step run whole by ``tf.CriticalSection.execute``, TensorFlow's own
+  graph lock without safevars (what taking any lock in the graph costs: every
+  ``MutexLock`` goes through the mutex's own thread);
 * ``fit_safe``: ``model.fit`` epochs of 16 steps (``--quick``: 2), compiled with
   ``SafeOptimizer(Adam)``;
 * ``fit_plain_inside`` and ``fit_plain_outside``: ``model.fit`` epochs with a plain
@@ -57,7 +60,7 @@ import tensorflow as tf
 import safevars
 from benchmarks.background import Background
 from benchmarks.case import Case, Context, LazyCase
-from benchmarks.tf_functions import training_step
+from benchmarks.tf_functions import critical_section_step, training_step
 
 FAMILY = "scope"
 DESCRIPTION = (
@@ -110,11 +113,17 @@ def _built(
     return model, optimizer
 
 
-def _step(model: keras.Model, optimizer: Any, jit_compile: bool) -> Callable[[], None]:
+def _step(
+    model: keras.Model, optimizer: Any, jit_compile: bool, tf_section: bool = False
+) -> Callable[[], None]:
+    """The traced custom step; ``tf_section``: the whole step in a ``tf.CriticalSection``."""
     x, y = (tf.constant(a) for a in _data(1))
     optimizer.build(model.trainable_variables)
 
-    step = training_step(model, optimizer, x, y, jit_compile)
+    if tf_section:
+        step = critical_section_step(model, optimizer, x, y)
+    else:
+        step = training_step(model, optimizer, x, y, jit_compile)
 
     def call() -> None:
         step().numpy()  # wait for the step
@@ -148,6 +157,7 @@ def _params(workload: str, layers: int, **extra: Any) -> dict[str, Any]:
 
 
 SAFE = "scope + SafeOptimizer(Adam)"
+TF_SECTION = "Adam, step in a tf.CriticalSection"
 
 
 class _Shared:
@@ -183,9 +193,12 @@ class _Trained:
         self.weights = self.model.weights
 
 
-def _step_case(layers: int, jit_compile: bool, trained: _Shared | None = None) -> Case:
+def _step_case(
+    layers: int, jit_compile: bool, trained: _Shared | None = None, reference: bool = False
+) -> Case:
     """A custom training step, plain Adam against the scope's model with SafeOptimizer
-    (``trained``'s, when given)."""
+    (``trained``'s, when given); ``reference``: also plain Adam with the whole step in
+    a ``tf.CriticalSection`` (TensorFlow's own graph lock, what any lock costs)."""
     workload = "xla_step" if jit_compile else "custom_step"
     plain, plain_opt = _built(layers, False, False)
     if trained is not None:
@@ -193,10 +206,13 @@ def _step_case(layers: int, jit_compile: bool, trained: _Shared | None = None) -
     else:
         safe = _step(*_built(layers, True, True), jit_compile)
     extra = {"jit_compile": True} if jit_compile else {}
+    variants = {"Adam": _step(plain, plain_opt, jit_compile), SAFE: safe}
+    if reference:
+        variants[TF_SECTION] = _step(*_built(layers, False, False), False, tf_section=True)
     return Case(
         family=FAMILY,
         name=f"{workload}/v{2 * layers}",
-        variants={"Adam": _step(plain, plain_opt, jit_compile), SAFE: safe},
+        variants=variants,
         params=_params(workload, layers, **extra),
         goal=(SAFE, GOAL),
     )
@@ -331,7 +347,7 @@ def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
         return LazyCase(FAMILY, f"{name}/v{n}", on_device(build))
 
     return [
-        lazy("custom_step", lambda: _step_case(layers, False, trained)),
+        lazy("custom_step", lambda: _step_case(layers, False, trained, not ctx.quick)),
         lazy(
             "fit_safe", lambda: _fit_case(layers, "fit_safe", plain_fit.get(), steps, True, True)
         ),

@@ -16,10 +16,15 @@ model of its own built from the same seed:
   with the default span, the step one critical section from the forward pass's reads
   (steps are serializable; their Python calls and TensorFlow's dispatch still overlap);
 * ``lock_span="update"``: the same with only the update locked (Hogwild-style: forward and
-  backward passes of several threads overlap, every update is whole and none is lost).
+  backward passes of several threads overlap, every update is whole and none is lost);
+* ``tf.CriticalSection``: the plain model and Adam, the step's update (in ``update``
+  cases) or the whole step (in ``step`` cases) run by ``tf.CriticalSection.execute``
+  inside the traced step: TensorFlow's own graph lock, without safevars. It shows what
+  any lock taken in the graph costs on the machine: every ``MutexLock`` goes through the
+  mutex's own thread, and the update waits for every gradient. Not in ``--quick`` runs.
 
-Two cases per thread count (``--threads``, default 1, 2, 4 and 8), each timing two variants
-(``--quick``: 4 steps per thread per call instead of 8):
+Two cases per thread count (``--threads``, default 1, 2, 4 and 8), each timing three
+variants (``--quick``: two, and 4 steps per thread per call instead of 8):
 
 * ``update/<n> threads``: ``racy`` (the baseline) against ``lock_span="update"``. Goal
   (issue 46): at least 0.95x the racy throughput at 2 threads or more, that is a time per
@@ -45,7 +50,7 @@ import tensorflow as tf
 import safevars
 from benchmarks.bench_contention import Crew
 from benchmarks.case import Case, Context
-from benchmarks.tf_functions import training_step
+from benchmarks.tf_functions import critical_section_step, training_step
 
 FAMILY = "threads"
 DESCRIPTION = (
@@ -53,7 +58,7 @@ DESCRIPTION = (
     "threading.Lock around the step, SafeOptimizer with lock_span step and update"
 )
 ORDER = 18
-SECONDS = {"full": 15, "quick": 8}  # measured on a quiet 2-core CPU: 59 s for --repeat 3
+SECONDS = {"full": 22, "quick": 8}  # measured on a quiet 2-core CPU: 78 s for --repeat 3
 
 FEATURES = 64
 WIDTH = 256
@@ -66,6 +71,7 @@ RACY = "racy"
 LOCKED = "threading.Lock"
 SPAN_STEP = 'lock_span="step"'
 SPAN_UPDATE = 'lock_span="update"'
+TF_SECTION = "tf.CriticalSection"
 
 
 def _model() -> keras.Model:
@@ -83,7 +89,9 @@ def _model() -> keras.Model:
 class Trainer:
     """One model, its optimizer and its traced step; ``step()`` runs one step."""
 
-    def __init__(self, lock_span: str | None, locked: bool = False) -> None:
+    def __init__(
+        self, lock_span: str | None, locked: bool = False, tf_section: str | None = None
+    ) -> None:
         if lock_span is None:
             self.model, optimizer = _model(), keras.optimizers.Adam(1e-3)
         else:
@@ -97,7 +105,10 @@ class Trainer:
         rng = np.random.default_rng(0)
         x = tf.constant(rng.normal(size=(BATCH, FEATURES)).astype("float32"))
         y = tf.constant(np.tanh(x.numpy()[:, :1]))
-        self._traced = training_step(self.model, optimizer, x, y)
+        if tf_section is None:
+            self._traced = training_step(self.model, optimizer, x, y)
+        else:
+            self._traced = critical_section_step(self.model, optimizer, x, y, tf_section)
         self._lock = threading.Lock() if locked else None
         self._traced()  # traced once, before any thread calls it
 
@@ -139,6 +150,9 @@ def cases(ctx: Context) -> list[Case]:
             SPAN_STEP: Trainer("step"),
             SPAN_UPDATE: Trainer("update"),
         }
+        if not ctx.quick:
+            for span in ("update", "step"):
+                trainers[f"{TF_SECTION}/{span}"] = Trainer(None, tf_section=span)
     out = []
     for threads in ctx.threads:
         label = f"{threads} thread{'' if threads == 1 else 's'}"
@@ -147,9 +161,17 @@ def cases(ctx: Context) -> list[Case]:
             "step": (LOCKED, SPAN_STEP, STEP_GOAL),
         }.items():
             crews: list[Crew] = []
+            names = [baseline, variant]
+            if not ctx.quick:
+                names.append(TF_SECTION)
             variants = {
-                name: _variant(trainers[name], threads, steps, crews)
-                for name in (baseline, variant)
+                name: _variant(
+                    trainers[f"{TF_SECTION}/{kind}" if name == TF_SECTION else name],
+                    threads,
+                    steps,
+                    crews,
+                )
+                for name in names
             }
 
             out.append(

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["training_step", "variant_function"]
+__all__ = ["critical_section_step", "training_step", "variant_function"]
 
 
 def variant_function(python_function: Callable[..., Any] | None = None, **options: Any) -> Any:
@@ -56,5 +56,43 @@ def training_step(model: Any, optimizer: Any, x: Any, y: Any, jit_compile: bool 
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
+
+    return step
+
+
+def critical_section_step(model: Any, optimizer: Any, x: Any, y: Any, span: str = "step") -> Any:
+    """:func:`training_step` with its update (``span="update"``) or the whole step
+    (``"step"``) run by ``tf.CriticalSection.execute``: TensorFlow's own graph lock,
+    without safevars, the reference for what any lock taken in a graph costs.
+
+    ``execute`` releases the mutex once what its function returns is computed, and
+    nothing else: the loss it returns here waits for every op the update made. Returning
+    the loss alone let the writes run after the release (the ``threads`` family's
+    reference lost updates that way, 2026-11-29)."""
+    import tensorflow as tf
+
+    section = tf.CriticalSection()
+
+    def forward_backward() -> tuple[Any, list[Any]]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    def update(loss: Any, grads: list[Any]) -> Any:
+        graph = tf.compat.v1.get_default_graph()
+        before = set(graph.get_operations())
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        made = [op for op in graph.get_operations() if op not in before]
+        with tf.control_dependencies(made):
+            return tf.identity(loss)
+
+    @variant_function(autograph=False)
+    def step() -> Any:
+        if span == "step":
+            return section.execute(
+                lambda: update(*forward_backward()), exclusive_resource_access=False
+            )
+        loss, grads = forward_backward()
+        return section.execute(lambda: update(loss, grads), exclusive_resource_access=False)
 
     return step
