@@ -5,7 +5,11 @@ Usage: python exactly_once_ps.py [--seed 0] [--steps 120] [--runs 2] [--cancel-s
 
 The cluster is 3 workers and 1 parameter server on 127.0.0.1. The parameter server and
 worker 0 run in this process (as ``safevars.local_cluster`` does); workers 1 and 2 run in
-subprocesses so that they can be killed (SIGKILL) and restarted. Prints one JSON line.
+processes of their own so that they can be killed (SIGKILL) and restarted. Each start
+(12 with ``--runs 2``) forks from a ``multiprocessing`` forkserver that imported
+TensorFlow once, started before this process's servers (``loopback.start_server_process``);
+with ``SAFEVARS_TEST_FORK=0``, each is a new ``python`` process running this script with
+``--serve``. Prints one JSON line.
 
 The main step writes through safevars in every way: ``counter.update(+1)``, a
 transaction moving 1 from ``a`` to ``b``, a ``GradientAccumulator.add``, an
@@ -40,7 +44,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -48,7 +51,13 @@ import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from loopback import ps_spec, serve, start_servers  # noqa: E402  (same directory)
+from loopback import (  # noqa: E402  (same directory)
+    ServerProcess,
+    ps_spec,
+    serve,
+    start_server_process,
+    start_servers,
+)
 from script_common import scaled  # noqa: E402
 
 WORKERS = 3
@@ -62,8 +71,8 @@ class Workers:
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.all: list[subprocess.Popen] = []
+        self.procs: dict[int, ServerProcess] = {}
+        self.all: list[ServerProcess] = []
         self.kills = 0
         self.lock = threading.Lock()
         starting = [threading.Thread(target=self.start, args=(i,)) for i in KILLABLE]
@@ -73,20 +82,9 @@ class Workers:
             t.join(WAIT_SECONDS)
 
     def start(self, index: int) -> None:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--serve",
-                json.dumps(self.spec),
-                "worker",
-                str(index),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
+        proc = start_server_process(
+            os.path.abspath(__file__), self.spec, "worker", index, WORKERS + 1, WAIT_SECONDS
         )
-        line = proc.stdout.readline().strip()
-        assert line == "ready", f"worker {index} did not start: {line!r}"
         with self.lock:
             self.procs[index] = proc
             self.all.append(proc)
@@ -95,11 +93,11 @@ class Workers:
         with self.lock:
             proc = self.procs.pop(index)
         proc.kill()
-        proc.wait()
         self.kills += 1
 
     def restart(self, index: int) -> threading.Thread:
-        """Starts worker ``index`` again in the background (a process takes seconds)."""
+        """Starts worker ``index`` again in the background (up to seconds: a new process
+        imports TensorFlow, a forked one waits for its server)."""
         thread = threading.Thread(target=self.start, args=(index,))
         thread.start()
         return thread
