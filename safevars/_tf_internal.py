@@ -307,6 +307,51 @@ def _type_checks_without_check_point() -> None:
 _type_checks_without_check_point()
 
 
+def _function_call_releases_its_lock() -> None:
+    """Works around a ``tf.function`` that hangs every other thread after one failed call.
+
+    ``Function._call`` (``polymorphic_function.py``, TensorFlow 2.16 to 2.21 at least)
+    takes the function's ``RLock``, binds the arguments, then releases it, without
+    ``try``/``finally``: an exception in between leaves the lock held by the calling
+    thread, and every call of that function from another thread waits for ever. A call
+    with wrong arguments raises there (``TypeError: Binding inputs to tf.function
+    failed``), and so can a Ctrl-C or any asynchronous exception landing in those few
+    lines (``tests/locking/test_faults.py``'s injected ones did, 2026-11-29: its threads
+    hung on the lock and the suite with them). The wrapper releases what the failed call
+    left held, and nothing it held before the call (a function called while tracing
+    itself, which the ``RLock`` allows). An exception landing inside the wrapper's own
+    ``except`` clause can still leak the lock: the window is a few instructions, not a
+    whole argument binding.
+    """
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    function_class = polymorphic_function.Function
+    original = function_class._call
+    if getattr(original, "_safevars_releases_lock", False):
+        return
+
+    @functools.wraps(original)
+    def _call(self: Any, *args: Any, **kwds: Any) -> Any:
+        lock = self._lock
+        owned = getattr(lock, "_is_owned", None)
+        if owned is None:  # (not the RLock this was written for: TensorFlow's own call)
+            return original(self, *args, **kwds)
+        held_before = owned()
+        try:
+            return original(self, *args, **kwds)
+        except BaseException:
+            if not held_before:
+                while owned():
+                    lock.release()
+            raise
+
+    _call._safevars_releases_lock = True  # type: ignore[attr-defined]
+    function_class._call = _call
+
+
+_function_call_releases_its_lock()
+
+
 def in_xla_context(graph=None) -> bool:
     """Whether ops built now go into an XLA-compiled function (``jit_compile=True``)."""
     return control_flow_util.GraphOrParentsInXlaContext(graph or ops.get_default_graph())

@@ -251,3 +251,80 @@ def test_keras_export_archive_is_the_class_that_tracks_endpoint_variables():
     cls = _tf_internal.keras_export_archive()
     assert "_filter_and_track_resources" in vars(cls)
     assert isinstance(keras.export.ExportArchive(), cls)
+
+
+# ------------------------------------------- a failed tf.function call frees its lock
+
+
+def _other_thread_calls(function) -> bool:
+    """Whether a call of ``function`` from another thread ends (within a bounded wait)."""
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (function(), done.set()), daemon=True).start()
+    return done.wait(scaled(30))
+
+
+def _counting_function():
+    import tensorflow as tf
+
+    v = tf.Variable(0.0)
+    function = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    function()
+    return v, function
+
+
+def test_a_tf_function_called_with_wrong_arguments_stays_callable_from_other_threads():
+    """TensorFlow's ``Function._call`` takes the function's lock, binds the arguments
+    and releases it, with no ``finally``: without the workaround the ``TypeError`` of a
+    bad call left the lock held and every other thread's call hung."""
+    v, function = _counting_function()
+    with pytest.raises(TypeError, match="Binding inputs"):
+        function(1.0)
+    assert _other_thread_calls(function), "another thread's call hung on the function's lock"
+    assert float(v.numpy()) == 2.0
+
+
+def test_an_exception_landing_after_a_tf_function_took_its_lock_frees_it():
+    """An asynchronous exception (Ctrl-C, or ``test_faults``'s injected ones) landing on
+    each line of ``Function._call`` after its ``acquire``, in turn: each one is raised
+    to the caller, and the function stays callable from another thread."""
+    import inspect
+
+    v, function = _counting_function()
+    original = type(function)._call
+    assert getattr(original, "_safevars_releases_lock", False)
+    code = original.__wrapped__.__code__
+    lines, first = inspect.getsourcelines(code)
+    acquire = first + next(i for i, line in enumerate(lines) if "_lock.acquire()" in line)
+    released = first + next(i for i, line in enumerate(lines) if "_lock.release()" in line)
+
+    class Landed(Exception):
+        pass
+
+    calls = 1
+    for target in range(acquire + 1, released):
+
+        def tracer(frame, event, arg, target=target):
+            if frame.f_code is not code:
+                return None
+
+            def on_line(frame, event, arg):
+                if event == "line" and frame.f_lineno == target:
+                    raise Landed(target)
+                return on_line
+
+            return on_line
+
+        sys.settrace(tracer)
+        try:
+            function()
+            calls += 1  # (a line the call does not reach: nothing raised)
+        except Landed:
+            pass
+        finally:
+            sys.settrace(None)
+        assert _other_thread_calls(function), f"hung after an exception at line {target}"
+        calls += 1
+    assert released - acquire > 2  # the binding happens in between
+    assert float(v.numpy()) == calls
