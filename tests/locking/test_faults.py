@@ -31,30 +31,47 @@ from tests.support.graphs import kept_with
 from tests.support.threading_harness import run_threads
 
 
-class Injected(Exception):
-    """The asynchronous exception the injector raises inside workers."""
+class Injected(BaseException):
+    """The asynchronous exception the injector raises inside workers.
+
+    A ``BaseException``, like the one real asynchronous exception, ``KeyboardInterrupt``:
+    TensorFlow turns any ``Exception`` raised while it binds a ``tf.function``'s
+    arguments into a ``TypeError`` (and Keras swallows one raised in its input-structure
+    check), so an ``Exception`` landing there would never reach the worker's handler.
+    """
 
 
-def _inject(thread: threading.Thread) -> None:
+def _inject(thread: threading.Thread) -> bool:
+    """Raises ``Injected`` in ``thread``; False if the thread has ended."""
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread.ident), ctypes.py_object(Injected)
     )
-    assert done == 1, "the worker thread was not found"
+    return done == 1
 
 
-def _wait_until(predicate, what: str, limit: float = 30.0) -> None:
+def _wait_until(predicate, what: str, errors=(), limit: float = 30.0) -> None:
+    """Waits for ``predicate()``; a worker's own exception in ``errors`` ends the wait
+    at once and is raised as the cause (a worker that died never becomes ready)."""
     deadline = time.monotonic() + scaled(limit)
     while not predicate():
+        if errors:
+            raise AssertionError(f"a worker failed while waiting for {what}") from errors[0]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.0002)
 
 
-def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[int]:
+def _run_with_injections(
+    op, workers: int, injections: int, seed: int, lost: list[object] | None = None
+) -> list[int]:
     """Runs ``op()`` in ``workers`` threads while injecting ``Injected`` into them.
 
     One injection is pending at a time: the injector waits until the worker caught the
-    previous one and is back inside its ``try`` before the next. Returns how many
-    injections each worker caught.
+    previous one and is back inside its ``try`` before the next. An injection that lands
+    in a weak reference's callback or a ``__del__`` is swallowed by Python ("Exception
+    ignored in ...", reported to ``sys.unraisablehook``, as a real ``KeyboardInterrupt``
+    landing there would be): it is added to ``lost`` (the object whose callback or
+    ``__del__`` swallowed it) and made again. Returns how many injections each worker
+    caught.
     """
     rng = random.Random(seed)
     stop = threading.Event()
@@ -75,20 +92,39 @@ def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[i
                 ready[k] = False
                 caught[k] += 1
             except BaseException as e:  # noqa: BLE001 - reported below
+                ready[k] = False
                 errors.append(e)
                 break
+
+    lost = [] if lost is None else lost
+    previous_hook = sys.unraisablehook
+
+    def swallowed(unraisable) -> None:
+        if isinstance(unraisable.exc_value, Injected):
+            lost.append(unraisable.object)
+        else:
+            previous_hook(unraisable)
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
     for t in threads:
         t.start()
     start.wait(timeout=scaled(30))
-    for _ in range(injections):
-        k = rng.randrange(workers)
-        _wait_until(lambda k=k: ready[k], f"worker {k} to be ready")
-        before = caught[k]
-        time.sleep(rng.random() * 0.003)
-        _inject(threads[k])
-        _wait_until(lambda k=k, b=before: caught[k] > b and ready[k], f"worker {k} to catch")
+    sys.unraisablehook = swallowed
+    try:
+        while sum(caught) < injections:
+            k = rng.randrange(workers)
+            _wait_until(lambda k=k: ready[k], f"worker {k} to be ready", errors)
+            before, lost_before = caught[k], len(lost)
+            time.sleep(rng.random() * 0.003)
+            if not _inject(threads[k]):
+                _wait_until(lambda: False, f"worker {k}, which ended, to catch", errors, limit=1)
+            _wait_until(
+                lambda k=k, b=before, n=lost_before: (caught[k] > b and ready[k]) or len(lost) > n,
+                f"worker {k} to catch",
+                errors,
+            )
+    finally:
+        sys.unraisablehook = previous_hook
     stop.set()
     deadline = time.monotonic() + scaled(60)
     for t in threads:
@@ -96,6 +132,47 @@ def _run_with_injections(op, workers: int, injections: int, seed: int) -> list[i
     assert not any(t.is_alive() for t in threads), "a worker hung after the injections"
     assert not errors, errors
     return caught
+
+
+def test_the_injector_reports_a_workers_own_exception_instead_of_waiting():
+    """A worker that dies of an exception other than the injected one never catches the
+    next injection: the injector raises that exception at once, not a timeout 30 s on."""
+
+    def op():
+        raise ValueError("the worker's own error")
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="a worker failed") as failure:
+        _run_with_injections(op, workers=2, injections=5, seed=0)
+    assert isinstance(failure.value.__cause__, ValueError)
+    assert time.monotonic() - started < scaled(10)
+
+
+class _SlowToDie:
+    """An object whose ``__del__`` runs long enough for injections to land in it."""
+
+    def __del__(self) -> None:
+        end = time.perf_counter() + 0.0005
+        while time.perf_counter() < end:
+            pass
+
+
+def test_the_injector_makes_again_an_injection_python_swallowed_in_a_del():
+    """An asynchronous exception raised inside ``__del__`` never reaches the worker:
+    Python reports it as "ignored". The injector counts it as lost and injects again,
+    instead of waiting for a catch that never comes (a 30 s timeout under load)."""
+
+    def op():
+        _SlowToDie()  # freed on this line: half of the op's time is in its __del__
+        end = time.perf_counter() + 0.0005
+        while time.perf_counter() < end:
+            pass
+
+    lost: list[object] = []
+    caught = _run_with_injections(op, workers=2, injections=40, seed=3, lost=lost)
+    assert sum(caught) == 40
+    assert lost, "no injection landed in __del__: the test tried nothing"
+    assert {getattr(o, "__qualname__", o) for o in lost} == {"_SlowToDie.__del__"}, lost
 
 
 def _assert_free_and_paired(v: SafeVariable) -> None:
