@@ -125,7 +125,7 @@ def _run_with_injections(
             )
     finally:
         sys.unraisablehook = previous_hook
-    stop.set()
+        stop.set()  # (on a failure too: no worker goes on running the op)
     deadline = time.monotonic() + scaled(60)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
