@@ -40,6 +40,7 @@ from safevars.creator_scope.creators import ScopeLocks, current_block
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.marks import block_of, created_at, entered, mark
 from safevars.creator_scope.optimizer_steps import forget_step_guards, traced_by_user
+from safevars.creator_scope.slots import record_built_slots
 from safevars.errors import InvalidArgumentError, LockReentryError
 from safevars.locking import _guards_of_lock, share_lock
 from safevars.variable import SafeVariable
@@ -230,7 +231,10 @@ def protect(structure: Any) -> Any:
     owns (weights, optimizer variables and slots, metric variables) is backed by a
     SafeVariable under one lock, each counting its own version from 0 (a variable
     protected before keeps its lock's place and its version); a training step takes that
-    lock once; weights, slots and metrics Keras creates later (a model built by its first
+    lock once, and a plain Keras optimizer's step counts the versions of the weights and
+    their slots with one add, whether the optimizer was built before or not (a
+    :class:`~safevars.SafeOptimizer` built before ``protect`` counts its slots apart);
+    weights, slots and metrics Keras creates later (a model built by its first
     call, an optimizer built by its first step) join the lock. The values are not
     touched: each SafeVariable wraps the variable's own storage, so training continues
     bitwise as it would have. Keras' traced train, test and predict functions are traced
@@ -314,6 +318,8 @@ def _protect_found(found: _Found, block: ScopeLocks, caller: str) -> dict[int, S
         else:
             proxies[id(variable)] = safe
     if wrapped:
+        for optimizer in found.optimizers:  # built before: its slots were made plain
+            record_built_slots(optimizer)
         _retrace(found)
     return proxies
 

@@ -119,6 +119,27 @@ def test_a_protected_model_trains_with_one_lock_per_step(kind):
     assert ops.count("MutexLock") == ops.count("ConsumeMutexLock") == 1
 
 
+def test_a_protected_models_step_counts_versions_as_the_same_model_made_in_the_scope():
+    """A Keras optimizer built before ``protect`` made its slots (Adam's moments) plain:
+    ``protect`` finds them, so a step counts weights and slots with one joint add, as in
+    the scope (it added one more version per slot: 200 ops a step for 100 weights)."""
+    x, y = data(BATCH)
+    protected = compiled(make_model())
+    protected.train_on_batch(x, y)  # the optimizer built, its slots plain
+    safevars.protect(protected)
+    with scope():
+        in_scope = compiled(make_model())
+    adds = []
+    for model in (protected, in_scope):
+        graph = train_graph(model, lambda model=model: model.train_on_batch(x, y))
+        adds.append([op.type for op in all_ops(graph)].count("AssignAddVariableOp"))
+    assert adds[0] == adds[1], adds
+    adam = protected.optimizer
+    for weight, m, v in zip(protected.trainable_variables, adam._momentums, adam._velocities):
+        joint = weight.value.guard.joint
+        assert joint is not None and m.value.guard.joint is joint is v.value.guard.joint
+
+
 def test_threads_training_a_protected_model_equal_the_same_steps_in_one_thread():
     """4 threads x 4 train_on_batch on a model protected after its first fit: bitwise the
     weights of the same 16 steps in one thread, versions and iterations exact, and every
