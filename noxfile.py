@@ -14,7 +14,8 @@
   :data:`CORE_TESTS`. Python 3.10 and 3.13 are each one cell's Python.
 
 pytest runs in parallel in every cell, as in the checkout (``tests/conftest.py``: one
-worker per CPU, whole files to a worker; pytest-xdist comes with the ``test`` extra).
+worker per CPU plus one, whole files to a worker; pytest-xdist comes with the ``test``
+extra).
 
 The ranges here are the ones ``pyproject.toml`` declares and
 ``safevars/_tf_internal.py`` (``TESTED_*``) checks at import; ``tests/test_tf_internal.py``
