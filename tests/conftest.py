@@ -150,8 +150,9 @@ def _workers() -> int:
     the 2 cores, with 3 workers 1.6. Measured on 2 cores with nothing else running
     (2026-11-29 and 30): 2 workers 7 min 31 s to 9 min 46 s in four runs, 3 workers
     6 min 48 s, 4 workers 9 min 21 s (the thread-heavy tests contend); in ``.ci/run``,
-    2 workers 7 min 55 s to 8 min 59 s in three runs, 3 workers 8 min 58 s. So 3 is at
-    least as fast as 2, and passed the suite beside two CPU hogs.
+    2 workers 7 min 55 s to 8 min 59 s in three runs, 3 workers 8 min 58 s. So 3 is as
+    fast as 2 in CI and faster in the runs by hand, and passed the suite beside two CPU
+    hogs.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
