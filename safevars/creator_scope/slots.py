@@ -61,8 +61,6 @@ def record_built_slots(optimizer: Any) -> None:
             continue
         if len(value) != len(weights):
             continue
-        if not any(slot is not None and id(slot) in own for slot in value):
-            continue
         for weight, slot in zip(weights, value):
             if slot is None or id(slot) not in own or slot is weight:
                 continue

@@ -148,13 +148,18 @@ def test_the_injector_reports_a_workers_own_exception_instead_of_waiting():
     assert time.monotonic() - started < scaled(10)
 
 
+def _spin(seconds: float) -> None:
+    """Runs Python code for ``seconds`` (injections land in it)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _SlowToDie:
     """An object whose ``__del__`` runs long enough for injections to land in it."""
 
     def __del__(self) -> None:
-        end = time.perf_counter() + 0.0005
-        while time.perf_counter() < end:
-            pass
+        _spin(0.0005)
 
 
 def test_the_injector_makes_again_an_injection_python_swallowed_in_a_del():
@@ -164,9 +169,7 @@ def test_the_injector_makes_again_an_injection_python_swallowed_in_a_del():
 
     def op():
         _SlowToDie()  # freed on this line: half of the op's time is in its __del__
-        end = time.perf_counter() + 0.0005
-        while time.perf_counter() < end:
-            pass
+        _spin(0.0005)
 
     lost: list[object] = []
     caught = _run_with_injections(op, workers=2, injections=40, seed=3, lost=lost)
