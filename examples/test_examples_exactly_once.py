@@ -41,7 +41,11 @@ def test_exactly_once_example_counts_every_step_once():
     whole = before["applied"] + before.get("done", 0)
     assert whole <= rows["exactly_once"][3] <= whole + before.get("partly_applied", 0), out
     done, counter, seen, discarded = rows["plain"]
-    # The failed step was applied, then scheduled again: at least one step twice.
-    assert done == steps and counter > steps and seen == counter * BATCH, out
+    # The failed step was applied, then scheduled again: at least one step twice. A step
+    # cancelled between its two updates (each its own section) and scheduled again
+    # counts twice in one counter and once in the other (seen once beside two CPU hogs,
+    # 2026-11-30: counter 32, seen 31 batches), so the two are bounded apart.
+    assert done == steps and counter > steps and seen > steps * BATCH, out
+    assert seen % BATCH == 0 and counter <= 2 * steps and seen <= 2 * steps * BATCH, out
     assert discarded == 0, out
     assert out.count("join() raised InvalidArgumentError: bad batch 10") == 2, out
