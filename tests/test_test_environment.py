@@ -44,8 +44,9 @@ MISSING = "pytest-timeout is not active"
 
 
 def test_tensorflow_gives_each_op_the_threads_the_environment_names():
-    """One thread per op unless the run sets ``TF_NUM_INTRAOP_THREADS`` (conftest.py), in
-    this process and, through the environment, in the processes tests start."""
+    """One thread per op unless the run sets ``TF_NUM_INTRAOP_THREADS`` (conftest.py): in
+    this process, and as the variable in the environment that the processes tests start
+    inherit (that they get this process's environment is the forked-child test below)."""
     from tests.conftest import intra_op_threads
 
     threads = int(os.environ["TF_NUM_INTRAOP_THREADS"])
