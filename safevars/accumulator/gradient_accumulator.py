@@ -88,6 +88,7 @@ from safevars.accumulator.commit import _Commit
 from safevars.accumulator.contributions import _Contributions
 from safevars.accumulator.placement import _Placement, _state_device
 from safevars.accumulator.replicas import _Replicas
+from safevars.accumulator.shared_reductions import shared_reduction
 from safevars.accumulator.state import (
     _block_layout,
     _flat_layout,
@@ -351,15 +352,29 @@ class GradientAccumulator(_Contributions, _Replicas, _Commit, _Take, _Placement,
         helpers.prepare = tf.function(self._prepare_math, autograph=False, reduce_retracing=True)
         helpers.finish = tf.function(self._finish_math, autograph=False, reduce_retracing=True)
         if deterministic:
-            helpers.reduce = tf.function(
-                self._reduce_math,
-                autograph=False,
-                jit_compile=True,
-                input_signature=[
-                    tf.TensorSpec([None, 0], tf.float32),
-                    tf.TensorSpec([], tf.int64),
-                ],
-            )
+            helpers.reduce = self._shared_reduce()
+
+    def _shared_reduce(self) -> Any:
+        """``reduce(marker, count)`` of ``_reduce_rows``: the compiled reduction every
+        accumulator of this layout shares (:mod:`.shared_reductions`), given this one's
+        row buffer and blocks kept by reference."""
+        layout, references = self._layout, self._helpers.references
+        function = shared_reduction(
+            layout.width,
+            layout.chunks,
+            layout.firsts,
+            references.shapes,
+            references.count,
+            self._reduction,
+            self._shared_dtype(),
+        )
+        state = self._state
+        blocks = [piece for block in references.blocks for piece in block]
+
+        def reduce(marker: tf.Tensor, count: tf.Tensor) -> Any:
+            return function([state.handle, *(piece.handle for piece in blocks)], marker, count)
+
+        return reduce
 
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
         """For ``tf.saved_model.save`` also the version and lock its traced adds and

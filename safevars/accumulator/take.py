@@ -22,6 +22,7 @@ from safevars.accumulator.reproducible_sum import (
     _marker_shapes,
     _reproducible_sum,
 )
+from safevars.accumulator.shared_reductions import divide
 from safevars.accumulator.state import _AccumulatorBase
 from safevars.accumulator.statistics import (
     _DISCARDED,
@@ -213,9 +214,10 @@ class _Take(_AccumulatorBase):
         """``add_and_take``'s reduction, lock held (:meth:`_Commit._take_directly`): for
         each piece of the layout, ``pieces[k]`` (the contribution being added, which is
         not stored) and piece ``k`` of the first ``pending`` blocks kept by reference,
-        reduced and divided as :meth:`_reduce_math` does. One XLA-compiled call per piece,
-        waiting only for that piece: a large gradient's reduction runs while the backward
-        pass computes the others (Keras adds each gradient as it comes, too)."""
+        reduced and divided as ``take`` does (:mod:`.shared_reductions`). One
+        XLA-compiled call per piece, waiting only for that piece: a large gradient's
+        reduction runs while the backward pass computes the others (Keras adds each
+        gradient as it comes, too)."""
         count = tf.cast(pending, tf.int64) + 1
         return tuple(self._piece_reducer(k)(count, piece) for k, piece in enumerate(pieces))
 
@@ -223,9 +225,9 @@ class _Take(_AccumulatorBase):
         """``add_and_take``'s reduction with no block kept by reference, lock held
         (:meth:`_Commit._take_directly`): ``piece`` (the contribution being added, one
         ``[1, width]`` row, not stored) and the first ``pending`` rows of the buffer,
-        reduced and divided as :meth:`_reduce_math` does, flat. One compiled call that
-        reads the contribution where the gradients were packed: no scatter of it into
-        the buffer, and no second pass over it from there."""
+        reduced and divided as ``take`` does, flat. One compiled call that reads the
+        contribution where the gradients were packed: no scatter of it into the buffer,
+        and no second pass over it from there."""
         reducer = self._helpers.rows_reducer
         if reducer is None:
 
@@ -258,28 +260,6 @@ class _Take(_AccumulatorBase):
 
             reducers[k] = tf.function(reduce, autograph=False, jit_compile=True)
         return reducers[k]
-
-    def _reduce_math(self, marker: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
-        # One contribution's block per row: [capacity, chunks * width].
-        buffer = tf.reshape(
-            self._state.read_value(), [-1, self._layout.chunks * self._layout.width]
-        )
-        rows = buffer[: tf.shape(marker)[0]]  # or fewer, if the buffer is smaller
-        references = self._helpers.references
-        if not references.count:
-            return self._divide(_reproducible_sum(rows, count), count)
-        # Piece by piece, one result each: the blocks kept by reference are read where
-        # they are. Concatenating their pieces first, or the results at the end, made
-        # XLA copy them: the pass over the 1.3M-parameter benchmark model's 4 blocks
-        # took 5.4-6.1 ms instead of 2.5 ms.
-        width = self._layout.width
-        out = []
-        for k, first in enumerate(self._layout.firsts):
-            size = references.shapes[k][0] * width
-            leading = [tf.reshape(block[k].read_value(), [-1]) for block in references.blocks]
-            region = rows[:, first * width : first * width + size]
-            out.append(self._divide(_reproducible_sum(region, count, leading), count))
-        return tuple(out)
 
     def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
         if required is None:
@@ -388,11 +368,7 @@ class _Take(_AccumulatorBase):
     def _divide(self, total: tf.Tensor, pending: tf.Tensor) -> tf.Tensor:
         """The flat sum divided for "mean", cast to the variables' dtype if they share
         one (a cast rounds each element alone, so casting the whole is the same)."""
-        if self._reduction == "mean":
-            divisor = tf.cast(tf.maximum(pending, 1), total.dtype)
-            total = total / divisor
-        shared = self._shared_dtype()
-        return total if shared is None else tf.cast(total, shared)
+        return divide(total, pending, self._reduction, self._shared_dtype())
 
     def _cut(self, total: tf.Tensor | tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, ...]:
         """The flat result cut into one tensor per variable, in its dtype. ``total`` is

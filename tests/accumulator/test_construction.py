@@ -221,7 +221,7 @@ class TestBlockLayout:
         calls = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
         name = lambda op: op.get_attr("f").name  # noqa: E731
         writes = [op for op in calls if "write" in name(op)]
-        (reduce,) = [op for op in calls if "reduce_math" in name(op)]
+        (reduce,) = [op for op in calls if "reduce_pending_rows" in name(op)]
         assert len(writes) == 2  # the 1M-element piece and the packed one
         assert all(w in ancestors(reduce) for w in writes)
         g, h = np.full([256, 256], 3.0, np.float32), np.arange(5, dtype=np.float32)
