@@ -99,6 +99,13 @@ def as_safe_variables(structure: Any, argument: str) -> tuple[Any, list[SafeVari
     """
     if type(structure) is SafeVariable:
         return structure, [structure]
+    if type(structure) in (list, tuple) and all(type(v) is SafeVariable for v in structure):
+        # The common case (``locked(a, b)``), without ``tf.nest``: besides its cost, a
+        # Ctrl-C landing in its C code can come out as another error (seen once with
+        # TensorFlow 2.21: an interrupt inside ``IsTypeSpec``'s import became a
+        # ``SystemError``, then an ``AttributeError``), not a ``KeyboardInterrupt``.
+        if structure:
+            return structure, list(structure)
 
     def expand(leaf: Any) -> Any:
         weights = None if _backing(leaf) is not None else _weights_of(leaf, argument)

@@ -46,6 +46,22 @@ def test_locked_read_then_assign_loses_nothing():
     assert v.version == THREADS * ITERATIONS
 
 
+def test_locked_over_safe_variables_walks_no_nest(monkeypatch):
+    """``locked(a, b)`` takes its variables as they are, without ``tf.nest``: a Ctrl-C
+    that landed in ``tf.nest``'s C code once came out as an ``AttributeError``, not a
+    ``KeyboardInterrupt`` (``test_faults.py``'s SIGINT test, TensorFlow 2.21)."""
+    a, b = SafeVariable(0.0), SafeVariable(0.0)
+
+    def walked(*args, **kwargs):
+        raise AssertionError("tf.nest walked the variables")
+
+    monkeypatch.setattr(tf.nest, "map_structure", walked)
+    with safevars.locked(a, b):
+        a.assign_add(1.0, read_value=False)
+        b.assign_add(1.0, read_value=False)
+    assert (float(a.numpy()), a.version, float(b.numpy()), b.version) == (1.0, 1, 1.0, 1)
+
+
 def test_versions_strictly_increase_per_observer():
     v = SafeVariable(0.0)
     seen: dict[int, list[int]] = {i: [] for i in range(4)}
