@@ -202,42 +202,6 @@ WORKERS = _workers()
 DIST = "loadfile"
 
 
-#: The files that take longest, handed out first when the run is parallel: a file is one
-#: unit of work, and a long one started last would end the run alone. Order only (no test
-#: depends on it); from a run's ``--durations``, longest first.
-LONG_FILES = (
-    "tests/conformance/test_bitwise_models.py",
-    "tests/conformance/test_keras_models.py",
-    "tests/test_exactly_once.py",
-    "tests/benchmarks/test_quick_suite.py",
-    "tests/accumulator/test_add_and_take.py",
-    "tests/accumulator/test_determinism.py",
-    "tests/scope/test_scope.py",
-    "tests/accumulator/test_distributed.py",
-    "tests/locking/test_checkpoints.py",
-    "tests/accumulator/test_xla.py",
-    "tests/locking/test_faults.py",
-    "tests/locking/test_memory.py",
-    "tests/scope/test_one_lock_per_step.py",
-    "tests/optimizer/test_fidelity.py",
-    "tests/docs/test_code_blocks.py",
-    "tests/scope/test_protect.py",
-    "tests/locking/test_runtime_mode.py",
-    "tests/accumulator/test_add_take.py",
-    "tests/locking/test_ctrl_c.py",
-    "tests/audit/test_pytest_plugin.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a pytest-xdist worker, puts :data:`LONG_FILES` first (every worker collects the
-    same order, as pytest-xdist requires); a run in one process keeps the usual order."""
-    if not hasattr(config, "workerinput"):
-        return
-    rank = {path: index for index, path in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the options
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Runs the suite in parallel (``-n WORKERS --dist loadfile``) unless the command line
@@ -252,11 +216,6 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     ):
         option.numprocesses = WORKERS
         option.dist = DIST
-        # pytest-xdist (3.5 on) hands out files by their number of tests, ignoring the
-        # order pytest_collection_modifyitems sets, unless told not to (3.8 on, the test
-        # extra's floor): measured 2026-11-30, the quick-suite file (3 tests, 49 s)
-        # started at 291 s and the memory file (1 test, 46 s) at 314 s of a 360 s run.
-        option.loadscopereorder = False
 
 
 #: What workers handed back for the summary (``tests/docs/conftest.py``'s figures).

@@ -65,38 +65,26 @@ def test_tensorflow_gives_each_op_the_threads_the_environment_names():
 def _command_line_config(**options: object) -> types.SimpleNamespace:
     """What ``pytest_cmdline_main`` reads of a controller's config, with pytest-xdist."""
     plugins = types.SimpleNamespace(hasplugin=lambda name: name == "xdist")
-    defaults = {"numprocesses": None, "dist": "no", "tx": [], "loadscopereorder": True}
+    defaults = {"numprocesses": None, "dist": "no", "tx": []}
     return types.SimpleNamespace(
         pluginmanager=plugins, option=types.SimpleNamespace(**{**defaults, **options})
     )
 
 
-def test_a_parallel_run_hands_out_the_longest_files_first():
-    """The default run spreads whole files over the workers, longest first: pytest-xdist
-    is told not to reorder the files by their number of tests, which put a 3-test file
-    of 49 s at the end of the run; every long file named exists; a command line that
-    chooses its own distribution is left alone."""
+def test_the_default_run_is_parallel_and_a_chosen_one_is_left_alone():
+    """With nothing said on the command line, the run spreads whole files over
+    ``WORKERS`` workers; a command line that chooses its own distribution keeps it."""
     from tests import conftest
 
     config = _command_line_config()
     conftest.pytest_cmdline_main(config)
-    assert config.option.numprocesses == conftest.WORKERS
-    assert config.option.dist == "loadfile" and config.option.loadscopereorder is False
+    assert (config.option.numprocesses, config.option.dist) == (conftest.WORKERS, "loadfile")
     chosen = _command_line_config(numprocesses=2, dist="load")
     conftest.pytest_cmdline_main(chosen)
     assert (chosen.option.numprocesses, chosen.option.dist) == (2, "load")
-    assert chosen.option.loadscopereorder is True
-
-    assert [path for path in conftest.LONG_FILES if not (REPO / path).is_file()] == []
-    short = "tests/test_snapshot.py"
-    names = [f"{short}::a", f"{conftest.LONG_FILES[1]}::b", f"{conftest.LONG_FILES[0]}::c"]
-    items = [types.SimpleNamespace(nodeid=name) for name in names]
-    worker = types.SimpleNamespace(workerinput={})
-    conftest.pytest_collection_modifyitems(worker, items)
-    assert [item.nodeid for item in items] == [names[2], names[1], names[0]]
-    alone = [types.SimpleNamespace(nodeid=name) for name in names]
-    conftest.pytest_collection_modifyitems(types.SimpleNamespace(), alone)
-    assert [item.nodeid for item in alone] == names
+    one = _command_line_config(numprocesses=0)
+    conftest.pytest_cmdline_main(one)
+    assert (one.option.numprocesses, one.option.dist) == (0, "no")
 
 
 # ---------------------------------------------------------------------- pytest-timeout
