@@ -384,10 +384,6 @@ class _Helpers:
         self.variables = variables
         self.structure = structure
         self.remote_functions: dict[str, Callable[..., Any]] = {}
-        # add_and_take's compiled reduction of each piece of the layout (take.py).
-        self.piece_reducers: dict[int, Callable[..., Any]] = {}
-        # ... and of the contribution with the buffer's rows, none kept by reference.
-        self.rows_reducer: Callable[..., Any] | None = None
         # The strategy in whose scope the accumulator was created, if any.
         self.strategy: tf.distribute.Strategy | None = (
             tf.distribute.get_strategy() if tf.distribute.has_strategy() else None

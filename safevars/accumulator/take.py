@@ -20,9 +20,8 @@ from safevars.accumulator.replicas import _replica_context
 from safevars.accumulator.reproducible_sum import (
     _MARKER_TABLE,
     _marker_shapes,
-    _reproducible_sum,
 )
-from safevars.accumulator.shared_reductions import divide
+from safevars.accumulator.shared_reductions import divide, piece_reduction, rows_reduction
 from safevars.accumulator.state import _AccumulatorBase
 from safevars.accumulator.statistics import (
     _DISCARDED,
@@ -228,38 +227,20 @@ class _Take(_AccumulatorBase):
         reduced and divided as ``take`` does, flat. One compiled call that reads the
         contribution where the gradients were packed: no scatter of it into the buffer,
         and no second pass over it from there."""
-        reducer = self._helpers.rows_reducer
-        if reducer is None:
-
-            def reduce(count: tf.Tensor, row: tf.Tensor) -> tf.Tensor:
-                buffer = tf.reshape(self._state.read_value(), [-1, self._layout.width])
-                # A call that would leave more than max_pending pending is refused.
-                most = self._max_pending
-                total = _reproducible_sum(buffer, count, [tf.reshape(row, [-1])], most)
-                return self._divide(total, count)
-
-            reducer = tf.function(reduce, autograph=False, jit_compile=True)
-            self._helpers.rows_reducer = reducer
-        return reducer(tf.cast(pending, tf.int64) + 1, piece)
+        function = rows_reduction(
+            self._layout.width, self._max_pending, self._reduction, self._shared_dtype()
+        )
+        return function([self._state.handle], tf.cast(pending, tf.int64) + 1, piece)
 
     def _piece_reducer(self, k: int) -> Any:
-        """The compiled reduction of piece ``k`` for :meth:`_reduce_with` (made once)."""
-        reducers = self._helpers.piece_reducers
-        if k not in reducers:
-            blocks = [block[k] for block in self._helpers.references.blocks]
-
-            def reduce(count: tf.Tensor, piece: tf.Tensor) -> tf.Tensor:
-                # Row 0 is the new contribution, rows 1.. the blocks kept by reference
-                # (the first count - 1 of them pending): the order does not change a bit.
-                leading = [tf.reshape(piece, [-1])]
-                leading += [tf.reshape(block.read_value(), [-1]) for block in blocks]
-                none = tf.zeros([0, leading[0].shape[0]], tf.float32)
-                # A call that would leave more than max_pending pending is refused.
-                most = self._max_pending
-                return self._divide(_reproducible_sum(none, count, leading, most), count)
-
-            reducers[k] = tf.function(reduce, autograph=False, jit_compile=True)
-        return reducers[k]
+        """The compiled reduction of piece ``k`` for :meth:`_reduce_with`: the shared
+        function given piece ``k`` of each block kept by reference."""
+        references = self._helpers.references
+        function = piece_reduction(
+            references.count, self._max_pending, self._reduction, self._shared_dtype()
+        )
+        handles = [block[k].handle for block in references.blocks]
+        return lambda count, piece: function(handles, count, piece)
 
     def _take_graph(self, conditional: bool, required: int | None = None) -> tuple[tf.Tensor, Any]:
         if required is None:

@@ -1,5 +1,6 @@
-"""Deterministic accumulators of one layout share their compiled reduction, each reading
-its own variables (``safevars/accumulator/shared_reductions.py``)."""
+"""Deterministic accumulators of one layout share their compiled reductions (``take``'s
+and ``add_and_take``'s), each reading its own variables
+(``safevars/accumulator/shared_reductions.py``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,34 @@ def test_accumulators_of_one_layout_trace_one_reduction_and_each_takes_its_own(l
     shared = _shared(accumulators[0])
     assert shared is _shared(accumulators[1])
     assert shared.experimental_get_tracing_count() == 1
+
+
+def test_add_and_take_of_accumulators_of_one_layout_share_their_reductions(layout):
+    """A traced ``add_and_take`` reduces in place (rows of the buffer, or pieces of the
+    blocks kept by reference in the "blocks" layout; eagerly it adds, then takes): two
+    accumulators of one layout call the same compiled functions (traced once per piece
+    shape), and each returns the mean of its own contributions."""
+    shapes = ([7, 11], [13]) if layout == "one_row" else ([9, 11], [15])
+    accumulators = [
+        GradientAccumulator([tf.Variable(tf.zeros(shape)) for shape in shapes], max_pending=3)
+        for _ in "ab"
+    ]
+    for scale, acc in enumerate(accumulators, start=1):
+        acc.add([tf.fill(shape, scale * 1.0) for shape in shapes])
+        add_and_take = tf.function(acc.add_and_take, autograph=False)
+        got = add_and_take([tf.fill(shape, scale * 5.0) for shape in shapes])
+        for shape, out in zip(shapes, got):
+            np.testing.assert_array_equal(out, np.full(shape, 3.0 * scale, np.float32))
+    references = accumulators[0]._helpers.references.count
+    first = accumulators[0]
+    args = (first._max_pending, first._reduction, first._shared_dtype())
+    if references:
+        shared = shared_reductions.piece_reduction(references, *args)
+    else:
+        shared = shared_reductions.rows_reduction(first._layout.width, *args)
+    assert (references > 0) == (layout == "blocks")
+    # One trace per piece shape (the "blocks" layout has two pieces), not per accumulator.
+    assert shared.experimental_get_tracing_count() == len(first._layout.firsts)
 
 
 def test_the_most_recently_used_reductions_are_kept_and_one_in_use_still_works(
