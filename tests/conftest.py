@@ -60,6 +60,9 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tests.support.deadlines import scaled  # noqa: E402
+from tests.support.signals import default_sigint  # noqa: E402
+
+default_sigint()  # (a run started in the background may have SIGINT ignored)
 
 NUM_LOGICAL_CPUS = 2
 

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -85,6 +86,37 @@ def test_the_default_run_is_parallel_and_a_chosen_one_is_left_alone():
     one = _command_line_config(numprocesses=0)
     conftest.pytest_cmdline_main(one)
     assert (one.option.numprocesses, one.option.dist) == (0, "no")
+
+
+# ---------------------------------------------------------------------- Ctrl-C
+
+
+_SIGINT_OF_A_CHILD = (
+    "import signal, subprocess, sys\n"
+    "from tests.support.signals import default_sigint\n"
+    "restored = default_sigint() if sys.argv[1] == 'restore' else None\n"
+    "code = 'import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)'\n"
+    "child = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)\n"
+    "print(restored, child.stdout.strip())\n"
+)
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_run_started_with_ctrl_c_ignored_gives_its_children_ctrl_c(restore):
+    """A run started with SIGINT ignored (``python -m pytest &`` from a script): after
+    ``default_sigint`` (``conftest.py``) the processes it starts raise
+    ``KeyboardInterrupt`` on Ctrl-C; without it they ignore it, as the Ctrl-C tests'
+    children did."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGINT_OF_A_CHILD, "restore" if restore else "leave"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        timeout=scaled(60),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["True", "True"] if restore else ["None", "False"])
 
 
 # ---------------------------------------------------------------------- pytest-timeout
