@@ -8,6 +8,8 @@
 * The thread helpers (``tests/support/threading_harness.py``) join every thread against one
   deadline, so n deadlocked threads fail after one timeout, not n.
 * TensorFlow gives each op one thread unless the run says otherwise (``conftest.py``).
+* The default run is parallel (``conftest.py``), and a run started with Ctrl-C ignored
+  gives the processes it starts Ctrl-C back (``tests/support/signals.py``).
 * A child forked from the preloaded server (``tests/support/forked.py``) gets what a new
   ``python`` process would: arguments, environment, directory, exit status.
 """
