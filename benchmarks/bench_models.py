@@ -14,9 +14,11 @@ Goal (issue 46): each at most 1.05x the plain step. The architectures: MobileNet
 (depthwise convolutions, BatchNormalization, ReLU6, residual adds) and EfficientNetB0
 (swish, squeeze-excitation, the input's rescaling and normalization) for ``fit`` and
 ``custom``, ResNet50 for ``fit``; ``--quick`` keeps MobileNetV2's ``fit``. A model is
-built and traced once per variant (several seconds each): the family takes about a
-minute, so it runs only when named (``--cases models``; ``DEFAULT = False``): one
-MobileNetV2 would take the whole budget of the ``--quick`` suite (45 s). The scope also trains these models bitwise as without safevars
+built and traced once per variant (several seconds each): a pass of the family takes 3 to 4
+minutes (3 min 5 s alone on 2026-11-30) and its process keeps the memory of every model
+it traced (3.4 GB peak for one pass, 7.8 GB after ``--repeat 3``), so it runs only when named (``--cases models``;
+``DEFAULT = False``): one MobileNetV2 would take the whole budget of the ``--quick``
+suite (45 s). The scope also trains these models bitwise as without safevars
 (``tests/conformance/test_bitwise_models.py``).
 """
 
