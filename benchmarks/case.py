@@ -26,7 +26,8 @@ the progress line's estimate of the time left is built on it (scaled by how fast
 run goes, so only the families' proportions matter); a family without it counts as the
 average of the others. ``ISOLATED = True``:
 a full run that selects other families too measures this one first, in a process of its
-own, before the main process imports TensorFlow (see :mod:`benchmarks.cli`). TensorFlow
+own (one per pass with ``--repeat``), before the main process imports TensorFlow (see
+:mod:`benchmarks.cli`). TensorFlow
 keeps some memory for every function a process ever traced (about 10 MB for a 50-layer
 training step, 40 MB for its XLA compilation, after the function and its model are
 gone), so a family that traces many large models would otherwise leave its memory to

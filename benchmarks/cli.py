@@ -221,6 +221,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     # A run's isolated family, in the process the run starts for it (ISOLATED families).
     p.add_argument("--_only", dest="only", default=None, help=argparse.SUPPRESS)
+    # With --repeat, the pass it measures (one process per pass: each resumes the last).
+    p.add_argument("--_until", dest="until", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -551,6 +553,8 @@ def main(
             )
     args.quick = bool(args.quick)
     args.repeat = args.repeat or 1
+    if args.until is not None and not 1 <= args.until <= args.repeat:
+        p.error(f"--_until {args.until}: a pass from 1 to --repeat ({args.repeat})")
     try:
         selected = discovery.select(known, args.cases)
     except discovery.UnknownFamilyError as e:
@@ -561,10 +565,11 @@ def main(
     out: Path = args.out or args.resume or Path("bench-results")
     command = " ".join(["python -m benchmarks", *argv])
     # A full run measures its isolated families first, each in a process of its own,
-    # before this one imports TensorFlow; then it goes on from what they wrote.
+    # before this one imports TensorFlow; then it goes on from what they wrote. Alone,
+    # such a family runs here, unless it has several passes.
     isolated = (
         [f for f in selected if f.isolated]
-        if args.only is None and not args.quick and len(selected) > 1
+        if args.only is None and not args.quick and (len(selected) > 1 or args.repeat > 1)
         else []
     )
     if _main_started(previous, {f.name for f in isolated}):
@@ -574,19 +579,24 @@ def main(
     if isolated:
         out.mkdir(parents=True, exist_ok=True)
         options = _isolated_arguments(args, names, out)
+        # One process per pass: TensorFlow keeps memory for every function a process
+        # traced, so passes in one process would add up (the models family: 3.4 GB for
+        # one pass, 7.8 GB for three); each process resumes what the one before wrote.
+        passes: list[int | None] = list(range(1, args.repeat + 1)) if args.repeat > 1 else [None]
         for info in isolated:
-            interrupted = _run_isolated(
-                info,
-                options,
-                out if continued_by_us else args.resume,
-                args.force,
-                out,
-                child_command or _child_command(),
-                stderr,
-            )
-            if interrupted is not None:
-                return interrupted
-            continued_by_us = True
+            for until in passes:
+                interrupted = _run_isolated(
+                    info,
+                    options + ([] if until is None else ["--_until", str(until)]),
+                    out if continued_by_us else args.resume,
+                    args.force,
+                    out,
+                    child_command or _child_command(),
+                    stderr,
+                )
+                if interrupted is not None:
+                    return interrupted
+                continued_by_us = True
         try:
             previous = resume.load(out)
         except resume.ResumeError:
@@ -681,6 +691,7 @@ def main(
                 else (),
                 checkpoint=checkpoint,
                 numbering={f.name: (names.index(f.name) + 1, len(names)) for f in running},
+                until=args.until,
             )
     except KeyboardInterrupt as e:
         signame = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"

@@ -529,6 +529,7 @@ def run_families(
     checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
     release: Callable[[], None] = release_memory,
     numbering: Mapping[str, tuple[int, int]] | None = None,
+    until: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs every family in order, ``repeat`` times, and returns their ``family`` objects.
 
@@ -550,26 +551,32 @@ def run_families(
         (:func:`release_memory`).
       numbering: Each family's ``(number, of)`` in the progress lines, when they are a
         part of a larger run (default: their place in ``families``).
+      until: Stop after this repetition (default: ``repeat``): one pass of a run whose
+        passes are measured in processes of their own (the isolated families), each
+        resuming what the one before wrote.
 
     Raises:
-      ValueError: ``repeat`` < 1.
+      ValueError: ``repeat`` < 1, or ``until`` not between 1 and ``repeat``.
       KeyboardInterrupt: the run was interrupted; the last ``checkpoint`` has every
         case that finished (the interrupted case's teardown has run).
     """
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}.")
+    last = repeat if until is None else until
+    if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= repeat:
+        raise ValueError(f"until must be an int from 1 to repeat ({repeat}), got {until!r}.")
     before = {f["name"]: f for f in previous}
     state = {info.name: _Family(info, before.get(info.name)) for info in families}
     mode = "quick" if ctx.quick else "full"
     estimate = Estimate(
-        [info.expected_seconds(mode) for info in families], mode, repeat, time.perf_counter()
+        [info.expected_seconds(mode) for info in families], mode, last, time.perf_counter()
     )
 
     def save() -> None:
         if checkpoint is not None:
             checkpoint([f.result() for f in state.values() if f.started])
 
-    for repetition in range(1, repeat + 1):
+    for repetition in range(1, last + 1):
         for number, info in enumerate(families, 1):
             family = state[info.name]
             family.started = True

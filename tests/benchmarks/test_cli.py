@@ -21,6 +21,17 @@ def test_cli_unknown_cases_is_a_usage_error(fake_package, capsys):
     assert "unknown case family 'nope'" in err and "alpha" in err
 
 
+def test_cli_a_pass_beyond_the_repetitions_is_a_usage_error(fake_package, tmp_path, capsys):
+    """``--_until`` (the pass an isolated family's process measures) is checked before
+    anything runs or is written."""
+    out = tmp_path / "out"
+    for argv in (["--repeat", "2", "--_until", "3"], ["--_until", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main([*argv, "--out", str(out)], families=fake_package)
+        assert info.value.code == 2
+        assert "--_until" in capsys.readouterr().err and not out.exists()
+
+
 def test_cli_gpu_requested_without_gpu_exits_2(fake_package, tmp_path):
     err = io.StringIO()
     code = cli.main(

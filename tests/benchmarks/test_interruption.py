@@ -292,6 +292,30 @@ def test_an_isolated_family_runs_first_in_a_process_of_its_own(isolated_bench):
     assert pids(load(out))["iso/one"] == {quick.pid}
 
 
+def test_each_pass_of_an_isolated_family_runs_in_a_process_of_its_own(isolated_bench, tmp_path):
+    """With --repeat, every pass of an isolated family is a process of its own (the memory
+    TensorFlow keeps for traced functions does not add up), pooled into one result."""
+    start, out, gate = isolated_bench
+    gate.touch()
+    run = start(*FULL, "--repeat", "2", "--out", str(out))
+    assert run.wait(WAIT) == 0, run.log_path.read_text()[-3000:]
+    done = load(out)
+    assert done["complete"] is True and done["resumed"] == []
+    measured_by = pids(done)
+    passes = measured_by["iso/one"]
+    assert len(passes) == 2 and run.pid not in passes, passes
+    assert measured_by["iso/gated"] == passes
+    assert all(measured_by[case] == {run.pid} for case in EVERY_CASE)
+    iso = next(f for f in done["families"] if f["name"] == "iso")
+    assert [c["repetitions"] for c in iso["cases"]] == [2, 2]
+    # Alone, its passes still run apart; the run's own process measures nothing.
+    alone_out = tmp_path / "alone"
+    alone = start(*FULL, "--repeat", "2", "--cases", "iso", "--out", str(alone_out))
+    assert alone.wait(WAIT) == 0, alone.log_path.read_text()[-3000:]
+    passes = pids(load(alone_out))["iso/one"]
+    assert len(passes) == 2 and alone.pid not in passes, passes
+
+
 def test_a_run_killed_in_its_isolated_family_is_resumed_there(isolated_bench):
     start, out, gate = isolated_bench
     run = start(*FULL, "--out", str(out))

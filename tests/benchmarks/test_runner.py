@@ -156,6 +156,37 @@ def test_repeat_rebuilds_the_cases_and_pools_their_rounds(fake_package):
         )
 
 
+def test_until_runs_one_pass_and_the_next_process_pools_its_own(fake_package):
+    """``until``: one pass of a run whose passes are processes of their own; the next
+    pass resumes the first's rounds and adds its own."""
+    selected = discovery.select(fake_package, "counted")
+    ctx, progress = devices.make_context(CPU, True), io.StringIO()
+    (first,) = runner.run_families(
+        selected, ctx, tiny_settings(), progress=progress, clock=FakeClock([]), repeat=2, until=1
+    )
+    assert [c["repetitions"] for c in first["cases"]] == [1]
+    assert "[repetition 2/2]" not in progress.getvalue()
+    (second,) = runner.run_families(
+        selected,
+        ctx,
+        tiny_settings(),
+        progress=progress,
+        clock=FakeClock([]),
+        repeat=2,
+        until=2,
+        previous=[json.loads(json.dumps(first))],
+    )
+    (case,) = second["cases"]
+    assert case["repetitions"] == 2
+    for variant in case["variants"]:
+        assert variant["rounds_per_repetition"] == [3, 3]
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="until must be an int from 1 to repeat"):
+            runner.run_families(
+                selected, ctx, tiny_settings(), progress=progress, repeat=2, until=bad
+            )
+
+
 LAZY_FAMILY = {
     "bench_lazy.py": """
         import weakref
