@@ -16,8 +16,9 @@ Goal (issue 46): each at most 1.05x the plain step. The architectures: MobileNet
 ``custom``, ResNet50 for ``fit``; ``--quick`` keeps MobileNetV2's ``fit``. A model is
 built and traced once per variant (several seconds each): a pass of the family takes 3 to 4
 minutes (3 min 5 s alone on 2026-11-30) and its process keeps the memory of every model
-it traced (3.4 GB peak for one pass, 7.8 GB after ``--repeat 3``), so it runs only when named (``--cases models``;
-``DEFAULT = False``): one MobileNetV2 would take the whole budget of the ``--quick``
+it traced (3.4 GB peak; with ``--repeat`` each pass has a process of its own: 3.4 GB
+for ``--repeat 2``, where three passes in one process reached 7.8 GB), so it runs only
+when named (``--cases models``; ``DEFAULT = False``): one MobileNetV2 would take the whole budget of the ``--quick``
 suite (45 s). The scope also trains these models bitwise as without safevars
 (``tests/conformance/test_bitwise_models.py``).
 """
