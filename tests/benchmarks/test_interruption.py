@@ -316,6 +316,68 @@ def test_each_pass_of_an_isolated_family_runs_in_a_process_of_its_own(isolated_b
     assert len(passes) == 2 and alone.pid not in passes, passes
 
 
+# The isolated family again, its gated case blocking only in a process other than the
+# first that measured it: in a --repeat 2 run, in the second pass.
+SECOND_PASS_GATED = ISOLATED_FAMILY["bench_iso.py"].replace(
+    """        def gate():
+            while not os.path.exists(os.environ["GATE_FILE"]):""",
+    """        def gate():
+            first = os.environ["GATE_FILE"] + ".first-pass"
+            if not os.path.exists(first):
+                with open(first, "w") as f:
+                    f.write(str(os.getpid()))
+            with open(first) as f:
+                mine = f.read() == str(os.getpid())
+            while not mine and not os.path.exists(os.environ["GATE_FILE"]):""",
+)
+
+
+def test_a_run_killed_in_the_second_pass_of_its_isolated_family_resumes_that_pass(
+    isolated_bench,
+):
+    """Killed while the second pass's process measures, the run keeps the first pass and
+    the second pass's finished case, and ``--resume`` measures only what is left."""
+    start, out, gate = isolated_bench
+    assert ISOLATED_FAMILY["bench_iso.py"] != SECOND_PASS_GATED  # the gate was replaced
+    package = out.parent / "packages" / "interruptbench_pkg"
+    (package / "bench_iso.py").write_text(textwrap.dedent(SECOND_PASS_GATED))
+    run = start(*FULL, "--repeat", "2", "--out", str(out))
+    deadline = time.monotonic() + WAIT
+    while True:  # until the second pass wrote iso/one
+        cases = {c["name"]: c for f in load_if_any(out) for c in f["cases"] if f["name"] == "iso"}
+        if cases.get("one", {}).get("repetitions") == 2:
+            break
+        assert run.poll() is None, run.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the second pass never wrote iso/one"
+        time.sleep(0.05)
+    run.kill()
+    assert run.wait(WAIT) == -signal.SIGKILL
+    left = load(out)
+    assert left["complete"] is False
+    iso = {c["name"]: c for f in left["families"] if f["name"] == "iso" for c in f["cases"]}
+    assert (iso["one"]["repetitions"], iso["gated"]["repetitions"]) == (2, 1)
+    measured_before = pids(left)
+    gate.touch()
+    resumed = start("--resume", str(out), "--no-plots")
+    assert resumed.wait(WAIT) == 0, resumed.log_path.read_text()[-3000:]
+    done = load(out)
+    assert done["complete"] is True and len(done["resumed"]) == 1
+    iso = {c["name"]: c for f in done["families"] if f["name"] == "iso" for c in f["cases"]}
+    assert (iso["one"]["repetitions"], iso["gated"]["repetitions"]) == (2, 2)
+    measured_by = pids(done)
+    assert measured_by["iso/one"] == measured_before["iso/one"]  # kept, not measured again
+    (new,) = measured_by["iso/gated"] - measured_before["iso/gated"]
+    assert new not in measured_before["iso/one"] and new != resumed.pid
+
+
+def load_if_any(out: Path) -> list[dict]:
+    """The families of ``out/results.json``, none while it is missing or being written."""
+    try:
+        return json.loads((out / "results.json").read_text())["families"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
 def test_a_run_killed_in_its_isolated_family_is_resumed_there(isolated_bench):
     start, out, gate = isolated_bench
     run = start(*FULL, "--out", str(out))
