@@ -41,6 +41,8 @@ NOTES:
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from typing import Any
 
@@ -107,7 +109,12 @@ def is_parameter_server(strategy: tf.distribute.Strategy | None) -> bool:
 
 def on_parameter_server(device: str | None) -> bool:
     """Whether ``device`` (a device string, possibly empty) is on a ``ps`` task."""
-    return bool(device) and tf.DeviceSpec.from_string(device).job == "ps"
+    return bool(device) and _on_ps_job(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _on_ps_job(device: str) -> bool:  # (parsed once per string: eager sections ask)
+    return tf.DeviceSpec.from_string(device).job == "ps"
 
 
 def merge_context(variable: Any) -> tf.distribute.ReplicaContext | None:

@@ -63,10 +63,17 @@ def test_bad_structure():
         safevars.snapshot(keras.Sequential([keras.layers.Dense(2)]))
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["two_locks", "one_shared_lock"])
 @pytest.mark.parametrize("runtime_mode", [False, True], ids=["eager_locks", "runtime_mode"])
-def test_no_torn_reads_under_concurrent_transactions(runtime_mode):
-    """A writer moves value between two variables; the sum is invariant in every snapshot."""
+def test_no_torn_reads_under_concurrent_transactions(runtime_mode, shared):
+    """A writer moves value between two variables; the sum is invariant in every snapshot.
+    With one shared lock (a model built in a scope) a snapshot under the lock takes it
+    without ``hold``."""
+    from safevars.locking import share_lock
+
     a, b = SafeVariable(1000.0), SafeVariable(0.0)
+    if shared:
+        assert share_lock([a.guard, b.guard])
     if runtime_mode:
 
         @tf.function(autograph=False)
@@ -99,6 +106,34 @@ def test_no_torn_reads_under_concurrent_transactions(runtime_mode):
     run_threads(readers + 1, role)
     assert a.version == b.version > 0
     assert not broken, f"torn snapshots: {broken[:5]}"
+
+
+def test_a_snapshot_of_one_lock_takes_every_lock_if_a_variable_moved_meanwhile(monkeypatch):
+    """A snapshot of variables sharing one lock takes that lock alone; if ``share_lock``
+    moved one of them to another lock between the snapshot's look at the locks and its
+    acquisition, it takes both (``hold``), never reading the moved one unlocked."""
+    from safevars.locking import Guard, share_lock
+
+    c = SafeVariable(0.0)  # Its lock comes first in the order: a share_lock targets it.
+    a, b = SafeVariable(1.0), SafeVariable(2.0)
+    assert share_lock([a.guard, b.guard])
+    shared, other = a.guard.lock, c.guard.lock
+    original = Guard.call_locked
+    moved_at = []  # other.seq once b moved (share_lock takes and releases it too)
+
+    def moved_first(self, fn, writes=0, timeout=None):
+        if b.guard.lock is shared:  # (once)
+            assert share_lock([b.guard, c.guard]) and b.guard.lock is other
+            moved_at.append(other.seq)
+        return original(self, fn, writes, timeout)
+
+    monkeypatch.setattr(Guard, "call_locked", moved_first)
+    for lock in (shared, other):
+        lock.contended = 4  # past an optimistic read: straight to the locks
+    x, y = safevars.snapshot([a, b])
+    assert (float(x.value), float(y.value)) == (1.0, 2.0)
+    assert other.seq == moved_at[0] + 2  # b's new lock was taken and released
+    assert not shared._slot and not other._slot
 
 
 def test_readers_do_not_wait_for_readers(monkeypatch):

@@ -227,10 +227,9 @@ def _read_together(
     outputs = tfi.read_variables(handles, dtypes)
     for variable in variables:
         tfi.variable_accessed(variable.__wrapped__)
+    numbers = [0] * count + [int(counter) for counter in outputs[count:]]  # (each once)
     versions = [
-        g._version
-        if place is None
-        else int(outputs[place[0]]) + (0 if place[1] < 0 else int(outputs[place[1]]))
+        g._version if place is None else numbers[place[0]] + (0 if place[1] < 0 else numbers[place[1]])
         for g, place in zip(guards, places)
     ]
     return list(outputs[:count]), versions
@@ -345,6 +344,19 @@ def take_snapshots(
         for lock in locks:
             if lock.contended:
                 lock.contended -= 1
-    with hold(guards, timeout):  # A writer was in: read under the locks, as it would.
+    # A writer was in (or the locks are in run-time mode): read under the locks.
+    if len(locks) == 1:  # (a model built in a scope: one lock, without hold's bookkeeping)
+        first = guards[0]
+
+        def read_locked() -> tuple[list[tf.Tensor], list[int]] | None:
+            lock = first.lock
+            if any(g.lock is not lock for g in guards):
+                return None  # share_lock regrouped them meanwhile: hold sorts it out
+            return _values_and_versions(variables, guards)
+
+        taken = first.call_locked(read_locked, timeout=timeout)
+        if taken is not None:
+            return [Snapshot(*t) for t in zip(taken[0], taken[1], names)]
+    with hold(guards, timeout):
         values, versions = _values_and_versions(variables, guards)
     return [Snapshot(*t) for t in zip(values, versions, names)]

@@ -21,6 +21,7 @@ process instead, exactly as a user runs it (slower).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -90,6 +91,9 @@ def _child(
             os.dup2(f.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # A crash of TensorFlow's (SIGSEGV, SIGABRT) prints each thread's Python stack in
+    # the child's stderr, which the test's failure shows (python -X faulthandler).
+    faulthandler.enable(sys.stderr, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
