@@ -42,7 +42,6 @@ NOTES:
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from typing import Any
 
