@@ -355,6 +355,7 @@ def take_snapshots(
             if lock.contended:
                 lock.contended -= 1
     # A writer was in (or the locks are in run-time mode): read under the locks.
+    taken = None
     if len(locks) == 1:  # (a model built in a scope: one lock, without hold's bookkeeping)
         first = guards[0]
 
@@ -365,8 +366,8 @@ def take_snapshots(
             return _values_and_versions(variables, guards)
 
         taken = first.call_locked(read_locked, timeout=timeout)
-        if taken is not None:
-            return [Snapshot(*t) for t in zip(taken[0], taken[1], names)]
-    with hold(guards, timeout):
-        values, versions = _values_and_versions(variables, guards)
+    if taken is None:
+        with hold(guards, timeout):
+            taken = _values_and_versions(variables, guards)
+    values, versions = taken
     return [Snapshot(*t) for t in zip(values, versions, names)]
