@@ -21,6 +21,11 @@ size, and:
   fitted once without safevars, then protected in place by ``safevars.protect(model)``
   (the model a user already has);
 * ``xla_step``: ``custom_step`` compiled with XLA (``jit_compile=True``) on both sides;
+* ``train_on_batch`` (full runs, at 20 variables): one ``model.train_on_batch`` with a
+  plain ``Adam``, the model compiled inside the scope: the per-step entry of loops
+  that drive training themselves (GANs, reinforcement learning), which resets the
+  metrics before every step (an eager section; one step here is about 1.5 ms, so a
+  fixed cost counts most at the smallest size);
 * ``snapshot``: ``safevars.snapshot(model)`` of the trained scope model (its lock in
   run-time mode) with no writer running, against ``read every weight``
   (``tf.convert_to_tensor`` of each weight: the cheapest plain read of its value; goal:
@@ -53,6 +58,7 @@ most; a few seconds more.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +74,8 @@ from benchmarks.tf_functions import critical_section_step, training_step
 FAMILY = "scope"
 DESCRIPTION = (
     "a model built in safevars.scope() at 20/50/100 variables: custom, fit (safe and "
-    "plain Adam), fit after safevars.protect(model), XLA steps, snapshot(model), against the same model without safevars"
+    "plain Adam), fit after safevars.protect(model), XLA steps, train_on_batch, "
+    "snapshot(model), against the same model without safevars"
 )
 ORDER = 10
 # Measured first, in a process of its own (a full run): tracing its 36 models leaves
@@ -89,6 +96,9 @@ QUICK_LAYERS = (2,)  # 4 variables: a smoke test of every workload
 # snapshot(model) holds "from 4 weights up", where a snapshot's fixed cost counts most.
 SNAPSHOT_LAYERS = (2,)
 SNAPSHOT_CASES = ("snapshot", "snapshot_while_training")
+# train_on_batch's fixed cost per step (the eager reset of the metrics) is the same at
+# every size: the full run measures it where it counts most, once.
+TRAIN_ON_BATCH_LAYERS = (10,)
 
 
 def _model(layers: int) -> keras.Model:
@@ -272,6 +282,26 @@ def _protected_case(layers: int, plain: Callable[[], None], steps: int) -> Case:
     return _fit_versus(layers, "fit_protected", plain, label, scoped, steps)
 
 
+def _train_on_batch_case(layers: int) -> Case:
+    """``model.train_on_batch`` of one batch: plain Adam against the scope's model with
+    a plain Adam, compiled inside the block (its loss tracker the scope's too)."""
+    x, y = _data(1)
+    plain, plain_opt = _built(layers, False, False)
+    plain.compile(optimizer=plain_opt, loss="mse", jit_compile=False)
+    scoped, _ = _built(layers, True, False, compile_inside=True)
+    label = "scope + Adam, compiled inside"
+    return Case(
+        family=FAMILY,
+        name=f"train_on_batch/v{2 * layers}",
+        variants={
+            "Adam": functools.partial(plain.train_on_batch, x, y),
+            label: functools.partial(scoped.train_on_batch, x, y),
+        },
+        params=_params("train_on_batch", layers),
+        goal=(label, GOAL),
+    )
+
+
 def _snapshot_case(layers: int, subject: _Trained) -> Case:
     model, weights = subject.model, subject.weights
 
@@ -330,6 +360,16 @@ def _while_training_case(layers: int, subject: _Trained) -> Case:
     )
 
 
+def _on_device(ctx: Context, build: Callable[[], Any]) -> Callable[[], Any]:
+    """``build``, run on the run's device."""
+
+    def built() -> Any:
+        with tf.device(ctx.device):
+            return build()
+
+    return built
+
+
 def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
     """The eight cases of one size, each built when its turn comes. The three fit cases
     share their baseline (plain model, its compiled train function), and ``custom_step``
@@ -337,11 +377,7 @@ def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
     once per size, not once per case."""
 
     def on_device(build: Callable[[], Any]) -> Callable[[], Any]:
-        def built() -> Any:
-            with tf.device(ctx.device):
-                return build()
-
-        return built
+        return _on_device(ctx, build)
 
     steps = QUICK_FIT_STEPS if ctx.quick else FIT_STEPS
     plain_fit = _Shared(
@@ -379,4 +415,7 @@ def cases(ctx: Context) -> list[LazyCase]:
         found += [c for c in _cases_at(ctx, layers) if c.name.split("/")[0] in SNAPSHOT_CASES]
     for layers in QUICK_LAYERS if ctx.quick else LAYERS:
         found += _cases_at(ctx, layers)
+    for layers in () if ctx.quick else TRAIN_ON_BATCH_LAYERS:
+        build = _on_device(ctx, functools.partial(_train_on_batch_case, layers))
+        found.append(LazyCase(FAMILY, f"train_on_batch/v{2 * layers}", build))
     return found

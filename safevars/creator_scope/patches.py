@@ -90,6 +90,7 @@ def install() -> None:
         for method in ("assign", "assign_add", "assign_sub"):
             _patch(keras.optimizer_class, method, functools.partial(_without_reading, method))
         _patch(keras.trainer_class, "make_train_function", train_steps.make_train_function)
+        _patch(keras.base_trainer_class, "reset_metrics", train_steps.reset_metrics)
         _patch(
             keras.variable_class,
             "assign_add",

