@@ -234,7 +234,8 @@ def test_a_reader_never_sees_the_metrics_half_reset(monkeypatch, metrics):
     assert all(float(v.numpy()) != 0.0 for v in variables)  # (the step's loss and count)
     seen: list[list[float]] = []
     reader = threading.Thread(
-        target=lambda: seen.append([float(s.value) for s in safevars.snapshot(safe)])
+        target=lambda: seen.append([float(s.value) for s in safevars.snapshot(safe)]),
+        daemon=True,  # (if it hangs, the failed assertion below says so; pytest exits)
     )
     original = core.Variable._direct_assign
 
