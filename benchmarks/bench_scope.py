@@ -24,7 +24,7 @@ size, and:
 * ``train_on_batch`` (full runs, at 20 variables): one ``model.train_on_batch`` with a
   plain ``Adam``, the model compiled inside the scope: the per-step entry of loops
   that drive training themselves (GANs, reinforcement learning), which resets the
-  metrics before every step (an eager section; one step here is about 1.5 ms, so a
+  metrics before every step (an eager section; one step here is about 1.8 ms, so a
   fixed cost counts most at the smallest size);
 * ``snapshot``: ``safevars.snapshot(model)`` of the trained scope model (its lock in
   run-time mode) with no writer running, against ``read every weight``

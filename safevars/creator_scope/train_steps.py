@@ -22,12 +22,13 @@ there (a SafeOptimizer's step is one section, in cross-replica context).
 
 ``reset_metrics`` (which ``train_on_batch`` and ``test_on_batch`` call before every step,
 ``fit`` and ``evaluate`` once an epoch) resets every metric under their locks at once,
-one eager section instead of one per metric variable: another thread never sees some
-metrics reset and others not, and the reset takes the lock once. With the lock in
-run-time mode each acquisition is an eager ``MutexLock``: resetting a loss and a mean
-absolute error (4 variables) took 1,116 µs against 306 µs plain, and takes 605 µs; a
-``train_on_batch`` step of a 22-variable MLP compiled with that metric took 1.58-1.61x
-the plain step, and takes 1.22-1.23x (2026-11-30, 2 cores).
+one eager section instead of one per metric variable: a snapshot or locked read in
+another thread never sees some metrics reset and others not, and the reset takes the
+lock once. With the lock in run-time mode each acquisition is an eager ``MutexLock``:
+resetting a loss and a mean absolute error (4 variables) took 1,116 µs against
+293-306 µs plain, and takes 556-605 µs; a ``train_on_batch`` step of a 22-variable MLP
+compiled with that metric took 1.58-1.61x the plain step, and takes 1.22-1.25x
+(2026-11-30, 2 cores).
 """
 
 from __future__ import annotations
