@@ -376,9 +376,7 @@ def _cases_at(ctx: Context, layers: int) -> list[LazyCase]:
     shares its trained scope model with the snapshot cases: each is built and traced
     once per size, not once per case."""
 
-    def on_device(build: Callable[[], Any]) -> Callable[[], Any]:
-        return _on_device(ctx, build)
-
+    on_device = functools.partial(_on_device, ctx)
     steps = QUICK_FIT_STEPS if ctx.quick else FIT_STEPS
     plain_fit = _Shared(
         on_device(lambda: _fit(_model(layers), steps, keras.optimizers.Adam(1e-3)))

@@ -182,8 +182,8 @@ def test_snapshots_make_progress_under_a_writer_that_never_pauses():
     ``run_threads`` fails it as a deadlock. How fast a snapshot is against a locked read
     under that writer is a goal of the benchmark suite (``snapshot/2 variables, busy
     writer``), not of a test: the two race for an unfair lock, and in windows of the
-    same length locked reads outnumbered snapshots 1 to 22 times, by run (run alone). The exact bound on re-reads is the
-    next test's (each variable read at most twice).
+    same length locked reads outnumbered snapshots 1 to 22 times, by run (run alone).
+    The exact bound on re-reads is the next test's (each variable read at most twice).
     """
     a, b = SafeVariable(1000.0), SafeVariable(0.0)
     snapshots = 200

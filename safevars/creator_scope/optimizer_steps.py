@@ -32,7 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from safevars._tf_internal import KERAS_STEP_FUNCTIONS
-from safevars.creator_scope.backing import guard_of_backing, safe_backing
+from safevars.creator_scope.backing import guard_of_backing, guards_of_backings, safe_backing
 from safevars.creator_scope.keras_classes import keras_classes
 from safevars.creator_scope.slots import slots_of
 from safevars.creator_scope.strategy_updates import cross_replica
@@ -125,7 +125,7 @@ def step_guards(optimizer: Any, variables: list[Any]) -> StepGuards | None:
     if not weights:
         cache[key] = None
         return None
-    own = {id(g): g for g in map(guard_of_backing, optimizer.variables) if g is not None}
+    own = guards_of_backings(optimizer.variables)
     slots = [s for g in weights for s in slots_of(g) if id(s) in own]
     counted = weights + slots
     if not optimizer.gradient_accumulation_steps:
