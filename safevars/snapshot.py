@@ -52,11 +52,11 @@ def snapshot(structure: Any, timeout: float | None = None) -> Any:
     ``safevars.locked`` section on those variables, and with every
     :class:`~safevars.SafeOptimizer` step: a section is seen whole or not at all.
     Eagerly, with no writer in, readers take no lock and never wait; with a writer in, a
-    snapshot takes the locks as a locked read does. The locks are not fair (no more than
-    ``threading.Lock``): a thread writing back to back can take a lock again before a
-    waiting reader wakes, so under a writer that never pauses a snapshot, like a locked
-    read, may wait for several of its sections. Writes that bypass safevars (through a
-    plain variable that was wrapped on the fly) are not excluded.
+    snapshot takes the locks as a locked read does, and a snapshot waiting for a lock is
+    let in before a thread that enters it next: under a writer that never pauses, each
+    snapshot waits for about one of its sections (a locked read races for the lock as
+    ``threading.Lock`` waiters do). Writes that bypass safevars (through a plain variable
+    that was wrapped on the fly) are not excluded.
 
     Modes: in a ``tf.function``, values and versions are tensors read inside the
     variables' critical sections, taken in the global lock order.

@@ -130,14 +130,19 @@ class Guard:
     # ------------------------------------------------------------------ eager sections
 
     def call_locked(
-        self, fn: Callable[[], Any], writes: int = 0, timeout: float | None = None
+        self,
+        fn: Callable[[], Any],
+        writes: int = 0,
+        timeout: float | None = None,
+        reader: bool = False,
     ) -> Any:
         """Runs ``fn()`` eagerly under this guard's lock; counts ``writes`` if it returns.
 
         The single-variable fast path of :class:`hold`, with the same re-entrancy and
         lock-order rules and no allocation. ``fn`` may count its own write atomically
         with :meth:`write_counted` (then ``writes`` is 0). Nothing is counted if ``fn``
-        raises.
+        raises. ``reader``: ``fn`` only reads (a snapshot), and is let in first while it
+        waits (``acquisition.enter``).
 
         Raises:
           LockTimeoutError: the lock was not free within ``timeout`` seconds.
@@ -160,7 +165,7 @@ class Guard:
             if held:
                 _check_order(held, lock, me)
             try:
-                enter(lock, me, timeout)
+                enter(lock, me, timeout, reader)
                 if self.lock is not lock:  # share_lock moved us while we waited.
                     continue
                 held.append(lock)

@@ -31,13 +31,16 @@ class _Hold:
     in a finalizer would be swallowed ("Exception ignored in ...").
     """
 
-    __slots__ = ("_n", "_locks", "_timeout", "_guards")
+    __slots__ = ("_n", "_locks", "_timeout", "_guards", "_reader")
 
-    def __init__(self, guards: Iterable[HasLock], timeout: float | None = None) -> None:
+    def __init__(
+        self, guards: Iterable[HasLock], timeout: float | None = None, reader: bool = False
+    ) -> None:
         self._n = 0  # How many of _locks this context holds (a prefix, in order).
         self._guards: list[HasLock] | None = list(guards)
         self._locks = sorted_locks(self._guards)
         self._timeout = timeout
+        self._reader = reader  # Only reads (a snapshot): let in first while it waits.
 
     def __enter__(self) -> None:
         me = _current_thread()
@@ -63,7 +66,7 @@ class _Hold:
                     self._n = index + 1
                     continue
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                enter(lock, me, remaining)
+                enter(lock, me, remaining, self._reader)
                 self._n = index + 1
                 held.append(lock)
         except BaseException:
@@ -105,6 +108,10 @@ class hold(_Hold):  # noqa: N801 - used like a function: ``with hold(guards):``
     ``safevars.locked`` returns one. Raises :class:`LockOrderError` before taking
     anything if the calling thread already holds a lock that sorts after one it would
     newly take, and :class:`LockTimeoutError` (nothing held) if ``timeout`` runs out.
+
+    ``reader=True`` (snapshots): the block only reads, and while it waits for a lock,
+    threads entering that lock leave it to the block first (for a bounded time: see
+    :mod:`safevars.locking.acquisition`).
 
     Thread safety: the locks belong to the thread that entered; any thread may close
     the context (``__exit__``) and so release them. A context that is never closed (an

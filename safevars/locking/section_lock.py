@@ -63,6 +63,7 @@ class SectionLock:
         "leaving",
         "takeovers",
         "contended",
+        "readers",
         "__weakref__",
     )
 
@@ -88,6 +89,9 @@ class SectionLock:
         self.leaving = False  # A switch back to eager mode is under way (runtime_mode).
         self.takeovers = 0
         self.contended = 0  # Snapshots left that skip the optimistic read (variable/snapshots.py).
+        # Threads of snapshots waiting for the lock, let in first (acquisition.py);
+        # appended and removed by single C calls.
+        self.readers: list[threading.Thread] = []
         _LOCKS.add(self)
 
     @property

@@ -13,7 +13,10 @@ one measured window); it takes the locks, as Linux's ``read_seqbegin_or_lock`` d
 and the next few snapshots of those locks go straight to the locks before trying
 optimistically again, so under a busy writer a snapshot costs what a locked read of the
 same variables costs. Either way a snapshot of several variables is consistent with
-every transaction on them (no torn reads).
+every transaction on them (no torn reads). A snapshot waiting for a lock is let in before
+the next thread that enters it (``reader``, :mod:`safevars.locking.acquisition`):
+``threading.Lock`` is not fair, and a writer that never pauses took the lock back
+before a waiting snapshot woke, so a snapshot waited for many of its sections.
 
 Variables in run-time mode (written inside a ``tf.function``) are snapshotted under their
 ``tf.CriticalSection`` mutexes, because graph writes do not move the Python sequence
@@ -365,9 +368,9 @@ def take_snapshots(
                 return None  # share_lock regrouped them meanwhile: hold sorts it out
             return _values_and_versions(variables, guards)
 
-        taken = first.call_locked(read_locked, timeout=timeout)
+        taken = first.call_locked(read_locked, timeout=timeout, reader=True)
     if taken is None:
-        with hold(guards, timeout):
+        with hold(guards, timeout, reader=True):
             taken = _values_and_versions(variables, guards)
     values, versions = taken
     return [Snapshot(*t) for t in zip(values, versions, names)]
