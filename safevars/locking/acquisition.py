@@ -129,7 +129,7 @@ def _yield_to_readers(
     readers = lock.readers
     while not lock._slot and any(thread is not me for thread in readers):
         if time.monotonic() - start >= handoff:
-            if handoff == _HANDOFF and not lock._slot:
+            if handoff == _HANDOFF:  # (the lock still free: the loop's condition)
                 del readers[:]
             break
         time.sleep(_HANDOFF_POLL)  # (the GIL released: the snapshot's thread runs)
