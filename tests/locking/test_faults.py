@@ -765,3 +765,67 @@ def test_an_interrupt_after_a_lock_is_taken_and_before_it_is_counted_frees_it(mo
     assert safevars.held_locks() == []
     run_threads(2, lambda i: b.assign_add(1.0))  # other threads take it (bounded join)
     assert float(b.numpy()) == 2.0 and b.version == 2
+
+
+def _in_frame(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is running ``function`` now (anywhere on its stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_an_interrupt_while_waiting_for_the_hand_over_or_for_the_lock_leaves_nothing():
+    """Snapshots waiting for a lock are let in first (``acquisition._yield_to_readers``).
+    An exception in a snapshot's thread while it waits (registered) takes its
+    registration with it, and one in a writer's thread while it leaves the lock to a
+    snapshot leaves the writer holding nothing: the lock, its version and the waiting
+    lists are as they were, and the next writer enters at once."""
+    from safevars.locking import acquisition, hold
+
+    v = SafeVariable(0.0)
+    lock = v.guard.lock
+    errors: list[BaseException] = []
+
+    def run(fn):
+        def body():
+            try:
+                fn()
+            except Injected:
+                pass
+            except BaseException as e:  # (reported below)
+                errors.append(e)
+
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return thread
+
+    # A snapshot waiting for a lock this thread holds, interrupted.
+    with hold([v.guard]):
+        reader = run(lambda: safevars.snapshot([v]))
+        _wait_until(lambda: lock.readers == [reader], "the snapshot to wait")
+        assert _inject(reader)
+        reader.join(scaled(30))  # (it wakes from its wait within acquisition._POLL)
+        assert not reader.is_alive() and not errors, errors
+        assert lock.readers == [] and lock.holder() is threading.current_thread()
+
+    # A writer leaving the free lock to a (registered) snapshot, interrupted.
+    stand_in = threading.Thread(target=print)  # a snapshot that never takes the lock
+    lock.readers.append(stand_in)
+    original, acquisition._HANDOFF = acquisition._HANDOFF, scaled(60)
+    try:
+        writer = run(lambda: v.assign_add(1.0))
+        _wait_until(lambda: _in_frame(writer, "_yield_to_readers"), "the writer's hand-over")
+        assert lock.holder() is None and v.version == 0
+        assert _inject(writer)
+        writer.join(scaled(30))
+        assert not writer.is_alive() and not errors, errors
+    finally:
+        acquisition._HANDOFF = original
+        lock.readers.remove(stand_in)
+    assert lock.holder() is None and lock.seq % 2 == 0 and v.version == 0
+    assert float(v.read_value()) == 0.0
+    v.assign_add(1.0)  # the next writer enters at once
+    assert v.version == 1 and lock.readers == [] and not v.statistics().locked
