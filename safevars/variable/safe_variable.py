@@ -142,7 +142,7 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
         # ResourceVariable.assign* adds only graph bookkeeping that is empty eagerly, and
         # its Python cost would dominate a scalar write (see the eager benchmark).
         plain = (
-            type(variable) is resource_variable_ops.ResourceVariable
+            _writes_are_the_kernels(type(variable))
             and variable._cached_value is None
             and isinstance(variable.handle, ops.EagerTensor)
         )
@@ -374,3 +374,24 @@ def _unpickle(version: int, **kwargs: Any) -> SafeVariable:
 
 # Pickles made before safevars.variable became a package name it there; new ones too.
 _unpickle.__module__ = "safevars.variable"
+
+
+_WRITE_METHODS = ("assign", "assign_add", "assign_sub")
+
+
+@functools.cache
+def _writes_are_the_kernels(cls: type) -> bool:
+    """Whether the eager writes of a variable of class ``cls`` only call the write
+    kernels (then :meth:`SafeVariable.assign` calls them itself): ``ResourceVariable``
+    (its writes are ``BaseResourceVariable``'s, behind the dtype wrapper of TensorFlow's
+    numpy behaviour, which the SafeVariable's own conversion replaces) and a variable
+    created while tracing (``UnliftedInitializerVariable``, an ``UninitializedVariable``:
+    the metrics and layers Keras builds inside a traced step), whose writes are
+    ``BaseResourceVariable``'s. A class that overrides a write (a user's subclass, a
+    distributed variable) keeps its own."""
+    if cls is resource_variable_ops.ResourceVariable:
+        return True
+    base = resource_variable_ops.BaseResourceVariable
+    return issubclass(cls, resource_variable_ops.UninitializedVariable) and all(
+        getattr(cls, method) is getattr(base, method) for method in _WRITE_METHODS
+    )

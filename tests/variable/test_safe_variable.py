@@ -214,6 +214,45 @@ def test_unknown_shape_variable_accepts_any_shape(mode):
     assert v.version == 1
 
 
+@pytest.mark.parametrize("made", ["eagerly", "while tracing"])
+def test_eager_writes_call_the_write_kernels_themselves(made, monkeypatch):
+    """An eager write of a SafeVariable over a plain resource variable runs the kernel
+    and the version count as one chain of C calls (``Guard.write_counted``), not
+    ``tf.Variable.assign`` then a second count: faster, and an interrupt lands before
+    both or after both. Also for a variable created while tracing (an
+    ``UnliftedInitializerVariable``, as Keras' lazily built metrics and layers are)."""
+    made_here: list[SafeVariable] = []
+
+    @tf.function(autograph=False)
+    def make():
+        if not made_here:
+            made_here.append(SafeVariable(1.0))
+        return made_here[0].read_value()
+
+    if made == "eagerly":
+        v = SafeVariable(1.0)
+    else:
+        make()
+        v = made_here[0]
+    wrapped_class = type(v.__wrapped__).__name__
+    assert wrapped_class == (
+        "ResourceVariable" if made == "eagerly" else "UnliftedInitializerVariable"
+    )
+
+    def python_write(*args, **kwargs):
+        raise AssertionError(f"{wrapped_class}'s Python write method ran")
+
+    classes = type(v.__wrapped__).__mro__
+    for cls in classes[: classes.index(tf.Variable)]:
+        for method in ("assign", "assign_add", "assign_sub"):
+            if method in vars(cls):
+                monkeypatch.setattr(cls, method, python_write)
+    v.assign(5.0)
+    v.assign_add(2.0)
+    v.assign_sub(1.0, read_value=False)
+    assert v.numpy() == 6.0 and v.version == 3
+
+
 def test_errors_keep_their_type_through_autograph():
     v = SafeVariable([1.0, 2.0])
 
