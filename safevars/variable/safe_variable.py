@@ -377,10 +377,10 @@ _unpickle.__module__ = "safevars.variable"
 
 
 _WRITE_METHODS = ("assign", "assign_add", "assign_sub")
+_KERNEL_WRITES: dict[type, bool] = {}  # class -> _writes_are_the_kernels(class)
 
 
-@functools.cache
-def _writes_are_the_kernels(cls: type) -> bool:
+def _writes_are_the_kernels(cls: Any) -> bool:
     """Whether the eager writes of a variable of class ``cls`` only call the write
     kernels (then :meth:`SafeVariable.assign` calls them itself): ``ResourceVariable``
     (its writes are ``BaseResourceVariable``'s, behind the dtype wrapper of TensorFlow's
@@ -389,9 +389,12 @@ def _writes_are_the_kernels(cls: type) -> bool:
     the metrics and layers Keras builds inside a traced step), whose writes are
     ``BaseResourceVariable``'s. A class that overrides a write (a user's subclass, a
     distributed variable) keeps its own."""
-    if cls is resource_variable_ops.ResourceVariable:
-        return True
-    base = resource_variable_ops.BaseResourceVariable
-    return issubclass(cls, resource_variable_ops.UninitializedVariable) and all(
-        getattr(cls, method) is getattr(base, method) for method in _WRITE_METHODS
-    )
+    answer = _KERNEL_WRITES.get(cls)
+    if answer is None:
+        base = resource_variable_ops.BaseResourceVariable
+        answer = cls is resource_variable_ops.ResourceVariable or (
+            issubclass(cls, resource_variable_ops.UninitializedVariable)
+            and all(getattr(cls, m) is getattr(base, m) for m in _WRITE_METHODS)
+        )
+        _KERNEL_WRITES[cls] = answer
+    return answer
