@@ -202,11 +202,13 @@ __all__ = [
     "eager_context",
     "eager_context_module",
     "executing_eagerly",
+    "executor_is_async",
     "fast_execute",
     "func_graph_module",
     "gen_resource_variable_ops",
     "gen_stateful_random_ops",
     "gen_stateless_random_ops_v2",
+    "graph_runs_outside_python_calls",
     "in_xla_context",
     "is_loop_body",
     "keras_clone_model_homes",
@@ -254,6 +256,44 @@ def resource_deleter(handle: Any, device: str) -> Any:
     garbage-collected: the deleter TensorFlow's own resource variables own
     (``resource_variable_ops.EagerResourceDeleter``, a ``DestroyResourceOp``)."""
     return resource_variable_ops.EagerResourceDeleter(handle, device)
+
+
+# The module that traces a tf.data transformation's function: tf.data's own threads run
+# that graph, not a call from Python.
+_TF_DATA_TRACER = "/".join(("python", "data", "ops", "structured_function.py"))
+
+
+def graph_runs_outside_python_calls() -> bool:
+    """Whether the graph being traced may run without an eager call of its function
+    through ``ConcreteFunction._call_flat``: a tf.data transformation's function (its
+    tracer, ``structured_function.py``, is on the stack; tf.data 2.16-2.21) or a TF1
+    graph (not a ``FuncGraph``)."""
+    if not isinstance(ops.get_default_graph(), FuncGraph):
+        return True
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_TF_DATA_TRACER):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def executor_is_async() -> bool:
+    """Whether the calling thread's eager executor is asynchronous (a call returns
+    before its graph has run: ``ClusterCoordinator``'s workers, ``set_synchronous_
+    execution(False)``).
+
+    Not ``context().is_async()``: that makes an ``Executor`` object whose ``__del__``
+    waits for every node the executor has pending (and prints the error of a failed
+    one); the handle here is the thread's executor, not owned, and deleting it deletes
+    only the handle (``TFE_DeleteExecutor``)."""
+    ctx = eager_context()
+    ctx.ensure_initialized()
+    handle = pywrap_tfe.TFE_ContextGetExecutorForThread(ctx._context_handle)
+    try:
+        return bool(pywrap_tfe.TFE_ExecutorIsAsync(handle))
+    finally:
+        pywrap_tfe.TFE_DeleteExecutor(handle)
 
 
 def eager_context() -> Any:

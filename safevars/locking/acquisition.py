@@ -17,7 +17,9 @@
   taking snapshots back to back slows a writer as much as one taking locked reads
   back to back does (measured: see ``_yield_to_readers``), not more.
 * In run-time mode an eager section also takes the lock's ``tf.CriticalSection`` mutex
-  (:func:`_mutex_lock`; in a helper thread when there is a timeout). A lock in run-time
+  (:func:`_mutex_lock`; in a helper thread when there is a timeout) while a call of a
+  function whose graph takes it runs (:func:`admit_call`), or always once the lock is
+  ``untracked``. A lock in run-time
   mode that no live graph uses any more is switched back to eager mode first, by the
   hook :mod:`~safevars.locking.runtime_mode` registers (``LEAVE_RUNTIME``).
 * :func:`check_timeout` checks a ``timeout`` argument, and :func:`_timeout_error` says
@@ -31,7 +33,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from safevars import _tf_internal as tfi
@@ -91,7 +93,7 @@ def enter(
         lock._where = _caller_location()
         if lock.runtime and not lock.graph_users:  # every graph using it is gone
             LEAVE_RUNTIME[0](lock)
-        if lock.mutexed:
+        if lock.mutexed and (lock.graph_calls or lock.untracked):
             lock._token = _mutex_lock(lock, timeout)
     except BaseException:
         if me in slot:  # Taken in this call: give it back, no calls first.
@@ -102,6 +104,55 @@ def enter(
             del slot[:]
             lock._mutex.release()
         raise
+
+
+def admit_call(lock: SectionLock, me: threading.Thread, token: object) -> None:
+    """Counts an eager call of a function whose graph takes ``lock``'s mutex as running
+    (``token`` in ``lock.graph_calls``), once no eager section holds ``lock``.
+
+    An eager section takes the mutex only while such a call runs (or always, once the
+    lock is ``untracked``): a ``MutexLock`` op hands the lock over on the mutex's own
+    thread, 100 µs here, the largest part of a small eager section. Taking the lock to
+    add the token orders the two: a section that found no call running holds the lock
+    until it ends, so the call waits for it here; a call admitted before the section
+    took the lock is in ``graph_calls``, and the section takes the mutex. ``me`` does
+    not hold ``lock`` (the caller checked: the call would wait on itself).
+    """
+    slot = lock._slot
+    try:
+        _take(lock, me, None)
+        lock.graph_calls.append(token)
+    finally:
+        if me in slot:
+            del slot[:]
+            lock._mutex.release()
+
+
+def mark_untracked(locks: Iterable[SectionLock]) -> None:
+    """Marks ``locks`` ``untracked``: a graph taking their mutexes may run outside any
+    counted call, so every eager section takes the mutex from now on.
+
+    Set with each lock taken, so a section that skipped the mutex has ended first. A lock
+    the calling thread holds (tracing a tf.data function inside ``safevars.locked``)
+    takes its mutex now, for the rest of the section.
+    """
+    me = threading.current_thread()
+    for lock in locks:
+        if lock.untracked:
+            continue
+        slot = lock._slot
+        if me in slot:
+            lock.untracked = True
+            if lock.mutexed and lock._token is None:
+                lock._token = _mutex_lock(lock, None)
+            continue
+        try:
+            _take(lock, me, None)
+            lock.untracked = True
+        finally:
+            if me in slot:
+                del slot[:]
+                lock._mutex.release()
 
 
 def _yield_to_readers(

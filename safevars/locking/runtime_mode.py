@@ -7,6 +7,15 @@ variable under it stores its version in its version variable (``lock.runtime``).
 
 Eager sections take the mutex as well only once a graph takes it with a ``MutexLock``
 op (``lock.mutexed``): a section traced in a ``tf.function`` that is not XLA-compiled.
+Even then, an eager section takes it only while an eager call of a function whose graph
+takes it runs (``lock.graph_calls``, counted by :mod:`safevars.sections.compiled_calls`
+through :func:`~safevars.locking.acquisition.admit_call`, which first waits for an eager
+section that did not take it): a ``MutexLock`` hands the lock over on the mutex's own
+thread, about 100 µs, most of a small eager section. A lock whose mutex a graph may take
+outside such a call is ``untracked``, and every eager section takes the mutex
+(:func:`~safevars.locking.acquisition.mark_untracked`): a section traced for a
+``tf.data`` transformation or in a TF1 graph (:func:`use_in_graph`), a function called
+inside one, and a call on an asynchronous executor.
 A section traced inside an XLA-compiled function takes no mutex op: the eager caller
 holds the lock around the compiled call (:mod:`safevars.sections.compiled_calls`), so
 while every graph user of a lock is compiled, the Python lock alone excludes them all
@@ -180,7 +189,10 @@ def use_in_graph(lock: SectionLock, held_here: bool, mutexed: bool = True) -> bo
             uses[lock] = [token, 1]
         else:
             entry[1] += 1
-    return ensure_runtime(lock, held_here, mutexed)
+    switched = ensure_runtime(lock, held_here, mutexed)
+    if mutexed and not lock.untracked and tfi.graph_runs_outside_python_calls():
+        acquisition.mark_untracked([lock])
+    return switched
 
 
 def unuse_in_graph(lock: SectionLock) -> None:

@@ -64,6 +64,8 @@ class SectionLock:
         "takeovers",
         "contended",
         "readers",
+        "graph_calls",
+        "untracked",
         "__weakref__",
     )
 
@@ -92,6 +94,13 @@ class SectionLock:
         # Threads of snapshots waiting for the lock, let in first (acquisition.py);
         # appended and removed by single C calls.
         self.readers: list[threading.Thread] = []
+        # One token per eager call, running now, of a function whose graph takes the
+        # mutex (acquisition.admit_call); appended and removed by single C calls. While
+        # none runs and the lock is not ``untracked``, eager sections skip the mutex.
+        self.graph_calls: list[object] = []
+        # A graph taking the mutex may run outside such a call (a tf.data function, a
+        # call on an asynchronous executor, a TF1 graph): eager sections always take it.
+        self.untracked = False
         _LOCKS.add(self)
 
     @property

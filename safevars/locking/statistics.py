@@ -39,7 +39,9 @@ class LockStatistics(NamedTuple):
         was recognised as already applied and skipped (:mod:`safevars.exactly_once`).
       eager_mutex: Whether eager sections take that mutex too: once a graph that is not
         XLA-compiled took it (a lock used only by XLA-compiled functions called eagerly
-        needs the Python lock alone; :mod:`safevars.locking.runtime_mode`).
+        needs the Python lock alone; :mod:`safevars.locking.runtime_mode`), while a call
+        of a function whose graph takes it runs (or always, for a lock a ``tf.data``
+        function or a call on an asynchronous executor takes).
       graph_uses: How many traced graphs alive now use the lock. Run-time mode ends with
         them: once it is 0, the next eager section switches the lock back to eager mode
         (``runtime_mode`` and ``eager_mutex`` False) and frees its mutex.

@@ -10,6 +10,14 @@ the same locks. A call nested in a bigger compiled function records its locks on
 one instead. Every eager call is first checked against the locks the calling thread
 holds, and a call traced into another function adds the callee's locks to the caller's
 graph (:mod:`safevars.sections.reentry`).
+
+An eager call of a function whose graph takes some locks' mutexes is counted on each of
+them while it runs (``lock.graph_calls``, :func:`~safevars.locking.acquisition.admit_call`,
+which first waits for an eager section over the lock): eager sections take a lock's
+mutex only while such a call runs. A call on an asynchronous executor returns before its
+graph has run, and a function called while tracing a ``tf.data`` transformation runs on
+tf.data's threads: their locks are marked ``untracked`` (every eager section takes the
+mutex).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from typing import Any
 import tensorflow as tf
 
 from safevars import _tf_internal as tfi
+from safevars import locking
 from safevars.locking import hold_locks
+from safevars.locking.acquisition import admit_call, mark_untracked
 from safevars.sections.reentry import check_not_held, current_graph_records, graph_locks
 from safevars.sections.section import lock_section
 from safevars.sections.xla import (
@@ -38,37 +48,79 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps ``ConcreteFunction._call_flat``: an XLA function runs under its locks."""
 
     def call_flat(self: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+        taken = graph_locks(self)
         if tfi.executing_eagerly():
             check_not_held(self)  # its graph would wait on a lock this thread holds
+            if taken:
+                return _counted_call(taken, self, tensor_inputs, captured_inputs, original)
         else:
-            current_graph_records(graph_locks(self))  # the caller's graph takes them too
-        locks = _locks_of(self)
-        if not locks:
-            return original(self, tensor_inputs, captured_inputs)
-        preparations = _preparations_of(self)
-        if tf.executing_eagerly():
-            with hold_locks(locks):
-                _prepare(preparations)
-                return original(self, tensor_inputs, captured_inputs)
-        graph = tfi.default_graph()
-        # TensorFlow marks the calling graph as an XLA context while it builds the call
-        # op of a compiled function; the call is nested in a bigger compiled function
-        # only if the graphs around the calling one are XLA contexts too.
-        if tfi.in_xla_context(getattr(graph, "outer_graph", None) or graph):
-            _record_xla_locks(graph, locks)
-            for key, (prepare, amount, what) in preparations.items():
-                record_xla_preparation(key, prepare, amount, what)
-            return original(self, tensor_inputs, captured_inputs)
-
-        def prepared_call() -> Any:
-            with tf.control_dependencies(_prepare(preparations)):
-                return original(self, tensor_inputs, captured_inputs)
-
-        return lock_section(locks, prepared_call, tensor_inputs, compiled_call=True)
+            current_graph_records(taken)  # the caller's graph takes them too
+            if taken and tfi.graph_runs_outside_python_calls():
+                mark_untracked(taken)
+        return _call(self, tensor_inputs, captured_inputs, original)
 
     call_flat.__wrapped__ = original  # type: ignore[attr-defined]
     call_flat._safevars_xla = True  # type: ignore[attr-defined]
     return call_flat
+
+
+def _counted_call(
+    taken: frozenset[Any],
+    function: Any,
+    tensor_inputs: Any,
+    captured_inputs: Any,
+    original: Callable[..., Any],
+) -> Any:
+    """An eager call of a function whose graph takes ``taken``'s mutexes, counted in
+    each lock's ``graph_calls`` while it runs (eager sections take the mutex meanwhile:
+    :func:`~safevars.locking.acquisition.admit_call`). On an asynchronous executor the
+    call returns before its graph has run: the locks are marked ``untracked`` instead."""
+    if tfi.executor_is_async():
+        mark_untracked(taken)
+        return _call(function, tensor_inputs, captured_inputs, original)
+    me = locking._current_thread()
+    token = object()
+    admitted: list[Any] = []
+    try:
+        for lock in taken:
+            admitted.append(lock)  # (before: a call interrupted in admit_call is undone)
+            admit_call(lock, me, token)
+        return _call(function, tensor_inputs, captured_inputs, original)
+    finally:
+        for lock in admitted:
+            try:
+                lock.graph_calls.remove(token)
+            except ValueError:
+                pass
+
+
+def _call(
+    self: Any, tensor_inputs: Any, captured_inputs: Any, original: Callable[..., Any]
+) -> Any:
+    """The call itself; an XLA function's under the locks it recorded."""
+    locks = _locks_of(self)
+    if not locks:
+        return original(self, tensor_inputs, captured_inputs)
+    preparations = _preparations_of(self)
+    if tf.executing_eagerly():
+        with hold_locks(locks):
+            _prepare(preparations)
+            return original(self, tensor_inputs, captured_inputs)
+    graph = tfi.default_graph()
+    # TensorFlow marks the calling graph as an XLA context while it builds the call
+    # op of a compiled function; the call is nested in a bigger compiled function
+    # only if the graphs around the calling one are XLA contexts too.
+    if tfi.in_xla_context(getattr(graph, "outer_graph", None) or graph):
+        _record_xla_locks(graph, locks)
+        for key, (prepare, amount, what) in preparations.items():
+            record_xla_preparation(key, prepare, amount, what)
+        return original(self, tensor_inputs, captured_inputs)
+
+    def prepared_call() -> Any:
+        with tf.control_dependencies(_prepare(preparations)):
+            return original(self, tensor_inputs, captured_inputs)
+
+    return lock_section(locks, prepared_call, tensor_inputs, compiled_call=True)
 
 
 def install() -> None:

@@ -101,9 +101,11 @@ class SafeVariable(_Writes, _Scatter, wrapt.ObjectProxy):
       Python ``int`` (the cost is one uncontended lock acquisition). The first time the
       variable is written, versioned or snapshotted inside a ``tf.function`` it switches
       to run-time mode for good: graph writes run inside a ``tf.CriticalSection`` placed
-      on the variable's device, eager writes take the same mutex (so eager threads and
-      running graphs exclude each other), and the version lives in an int64 resource
-      variable. Run-time mode makes eager writes dearer (a ``MutexLock`` op each).
+      on the variable's device, eager writes exclude running graphs (they take the same
+      mutex while a call of a function whose graph takes it runs, and such a call waits
+      for an eager section that did not), and the version lives in an int64 resource
+      variable. Run-time mode makes eager writes dearer (a version add each, and a
+      ``MutexLock`` op while such a call runs).
       Under ``tf.distribute`` see :mod:`safevars.distribute`.
     """
 

@@ -28,7 +28,7 @@ import safevars
 from safevars import SafeVariable
 from tests.support.deadlines import scaled
 from tests.support.graphs import kept_with
-from tests.support.threading_harness import run_threads
+from tests.support.threading_harness import in_frame, run_threads
 
 
 class Injected(BaseException):
@@ -767,16 +767,6 @@ def test_an_interrupt_after_a_lock_is_taken_and_before_it_is_counted_frees_it(mo
     assert float(b.numpy()) == 2.0 and b.version == 2
 
 
-def _in_frame(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread`` is running ``function`` now (anywhere on its stack)."""
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_an_interrupt_while_waiting_for_the_hand_over_or_for_the_lock_leaves_nothing():
     """Snapshots waiting for a lock are let in first (``acquisition._yield_to_readers``).
     An exception in a snapshot's thread while it waits (registered) takes its
@@ -817,7 +807,7 @@ def test_an_interrupt_while_waiting_for_the_hand_over_or_for_the_lock_leaves_not
     original, acquisition._HANDOFF = acquisition._HANDOFF, scaled(60)
     try:
         writer = run(lambda: v.assign_add(1.0))
-        _wait_until(lambda: _in_frame(writer, "_yield_to_readers"), "the writer's hand-over")
+        _wait_until(lambda: in_frame(writer, "_yield_to_readers"), "the writer's hand-over")
         assert lock.holder() is None and v.version == 0
         assert _inject(writer)
         writer.join(scaled(30))

@@ -20,9 +20,10 @@ import tensorflow as tf
 import safevars
 from safevars import _tf_internal as tfi
 from safevars import locking
+from safevars.locking import acquisition
 from safevars.sections import graph_section
 from tests.support.deadlines import scaled
-from tests.support.threading_harness import call_bounded, run_threads
+from tests.support.threading_harness import call_bounded, in_frame, join_all, run_threads, wait_for
 
 
 def test_a_lock_only_xla_functions_use_takes_no_mutex_eagerly():
@@ -222,9 +223,10 @@ def test_a_cached_batched_snapshot_does_not_keep_locks_in_run_time_mode():
 
 def test_eager_sections_stop_taking_the_tf_mutex_once_the_last_graph_is_freed(monkeypatch):
     """Measures the mode by what eager sections do: every ``MutexLock`` run eagerly is
-    counted. In run-time mode each eager section takes the lock's TF mutex; after the
-    last function using the lock is freed, one section switches back (it takes the mutex
-    once, to wait for a graph still running) and the next ones take none."""
+    counted. In run-time mode an eager section takes the lock's TF mutex only while a
+    call of a function taking it runs (none here); after the last function using the
+    lock is freed, one section switches back (it takes the mutex once, to wait for a
+    graph still running) and the next ones take none."""
     taken: list[object] = []
     real = tfi.mutex_lock
 
@@ -243,7 +245,7 @@ def test_eager_sections_stop_taking_the_tf_mutex_once_the_last_graph_is_freed(mo
     for _ in range(3):
         v.assign_add(1.0)
         v.update(lambda x: x + 1.0)
-    assert len(taken) == 6  # run-time mode: one MutexLock per eager section
+    assert taken == [] and _mode(v)[:2] == (True, True)  # run-time mode, no call running
     del add
     gc.collect()
     taken.clear()
@@ -359,3 +361,119 @@ def test_a_graph_traced_just_before_the_switch_back_keeps_run_time_mode(monkeypa
     run_threads(4, lambda i: [traced[0]() if i % 2 else v.assign_add(1.0) for _ in range(50)])
     assert (float(v.numpy()), v.version) == (202.0, 202)
     assert _mode(v) == (True, True, 1)
+
+
+# ------------------------------------------- the eager mutex, only while a call runs
+
+
+def _mutex_takes(monkeypatch) -> list[int]:
+    """Counts the eager ``MutexLock`` s sections take from now on."""
+    taken = [0]
+    real = acquisition._mutex_lock
+
+    def counting(lock, timeout):
+        taken[0] += 1
+        return real(lock, timeout)
+
+    monkeypatch.setattr(acquisition, "_mutex_lock", counting)
+    return taken
+
+
+def test_an_eager_section_takes_the_mutex_only_while_a_call_taking_it_runs(monkeypatch):
+    """A ``MutexLock`` op costs an eager section about 100 µs (it hands the lock over on
+    the mutex's thread). While a call of a function whose graph takes the mutex runs,
+    an eager write takes it and waits for the graph's section; with no such call
+    running, it takes the Python lock alone."""
+    v = safevars.SafeVariable(0.0)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_the_section(x):
+        inside.set()
+        assert release.wait(scaled(60))
+        return x
+
+    @tf.function(autograph=False)
+    def slow_add():  # the py_function runs inside the graph's section
+        return v.update(
+            lambda x: tf.ensure_shape(tf.py_function(hold_the_section, [x], tf.float32), []) + 1.0
+        )
+
+    slow_add.get_concrete_function()  # traced: the lock's eager sections may take the mutex
+    assert v.statistics().eager_mutex
+    takes = _mutex_takes(monkeypatch)
+    caller = threading.Thread(target=slow_add, daemon=True)
+    caller.start()
+    assert inside.wait(scaled(60))  # the call runs, inside its section
+    writer = threading.Thread(target=lambda: v.assign_add(10.0), daemon=True)
+    writer.start()
+    wait_for(lambda: in_frame(writer, "_mutex_lock") or not writer.is_alive(), "the writer")
+    assert writer.is_alive() and float(v.numpy()) == 0.0  # it waits for the section
+    release.set()
+    assert join_all([caller, writer], 60) == []
+    assert float(v.numpy()) == 11.0 and v.version == 2 and takes[0] == 1
+
+    v.assign_add(100.0)  # no call runs: the Python lock alone
+    with safevars.locked(v):
+        v.assign_add(1000.0)
+    assert takes[0] == 1 and float(v.numpy()) == 1111.0 and v.version == 4
+
+
+def test_a_call_waits_for_an_eager_section_that_did_not_take_the_mutex():
+    """An eager section that found no call running holds the Python lock alone: a call
+    made meanwhile waits for the section to end before its graph runs."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(10.0), autograph=False)
+    add.get_concrete_function()
+    entered = threading.Event()
+    seen: list[float] = []
+
+    def role(index: int) -> None:
+        if index == 0:
+            with safevars.locked(v):
+                entered.set()
+                wait_for(lambda: in_frame(caller[0], "admit_call") or done.is_set(), "the call")
+                seen.append(float(v.numpy()))
+                seen.append(float(done.is_set()))
+            return
+        caller.append(threading.current_thread())
+        assert entered.wait(scaled(60))
+        add()
+        done.set()
+
+    caller: list[threading.Thread] = []
+    done = threading.Event()
+    run_threads(2, role)
+    assert seen == [0.0, 0.0]  # the call had not run inside the section
+    assert float(v.numpy()) == 10.0 and v.version == 1
+
+
+def test_a_lock_a_tf_data_function_takes_is_taken_with_its_mutex_by_eager_sections(
+    monkeypatch,
+):
+    """tf.data's own threads run a transformation's graph, not a call this process
+    counts: every eager section over its lock takes the mutex."""
+    v = safevars.SafeVariable(0.0)
+    dataset = tf.data.Dataset.range(4).map(lambda i: (v.assign_add(1.0), i)[1])
+    takes = _mutex_takes(monkeypatch)
+    v.assign_add(10.0)
+    assert takes[0] == 1
+    assert list(dataset.as_numpy_iterator()) == [0, 1, 2, 3]
+    assert float(v.numpy()) == 14.0 and v.version == 5
+
+
+def test_a_call_on_an_asynchronous_executor_makes_eager_sections_take_the_mutex(monkeypatch):
+    """An asynchronous call returns before its graph has run: from then on every eager
+    section over its locks takes the mutex."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    takes = _mutex_takes(monkeypatch)
+    v.assign_add(10.0)
+    assert takes[0] == 0  # a synchronous call ran: counted
+    tf.config.experimental.set_synchronous_execution(False)  # (this thread's executor)
+    try:
+        add()
+    finally:
+        tf.config.experimental.set_synchronous_execution(True)
+    v.assign_add(100.0)
+    assert takes[0] == 1 and float(v.numpy()) == 112.0 and v.version == 4

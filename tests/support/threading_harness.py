@@ -8,6 +8,7 @@ itself) in a thread the same way.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -117,3 +118,23 @@ def call_bounded(fn: Callable[[], T], timeout: float | None = None) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def in_frame(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is running ``function`` now (anywhere on its stack): where a
+    test finds a thread that waits inside a given call."""
+    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Waits until ``condition()`` holds, failing after ``timeout`` seconds at scale 1
+    (a deadlock detector) with ``what`` in the message."""
+    deadline = time.monotonic() + scaled(timeout)
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
