@@ -144,7 +144,8 @@ def mark_untracked(locks: Iterable[SectionLock]) -> None:
         if me in slot:
             lock.untracked = True
             if lock.mutexed and lock._token is None:
-                lock._token = _mutex_lock(lock, None)
+                with tfi.ops.init_scope():  # (called while tracing: run it eagerly)
+                    lock._token = _mutex_lock(lock, None)
             continue
         try:
             _take(lock, me, None)

@@ -477,3 +477,20 @@ def test_a_call_on_an_asynchronous_executor_makes_eager_sections_take_the_mutex(
         tf.config.experimental.set_synchronous_execution(True)
     v.assign_add(100.0)
     assert takes[0] == 1 and float(v.numpy()) == 112.0 and v.version == 4
+
+
+def test_a_tf_data_function_traced_inside_a_section_makes_that_section_take_the_mutex():
+    """tf.data may run a transformation as soon as it is traced: a section of the tracing
+    thread that did not take the mutex takes it then, for the rest of the section."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()  # the lock takes the mutex in graphs; eager sections need not, yet
+    lock = v.guard.lock
+    with safevars.locked(v):
+        assert lock._token is None
+        dataset = tf.data.Dataset.range(2).map(lambda i: (v.assign_add(1.0), i)[1])
+        assert lock.untracked and lock._token is not None
+        assert not tf.is_symbolic_tensor(lock._token)  # taken now, not traced
+    assert lock._token is None  # released with the section
+    assert list(dataset.as_numpy_iterator()) == [0, 1]
+    assert float(v.numpy()) == 3.0 and v.version == 3
