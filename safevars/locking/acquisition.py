@@ -118,14 +118,7 @@ def admit_call(lock: SectionLock, me: threading.Thread, token: object) -> None:
     took the lock is in ``graph_calls``, and the section takes the mutex. ``me`` does
     not hold ``lock`` (the caller checked: the call would wait on itself).
     """
-    slot = lock._slot
-    try:
-        _take(lock, me, None)
-        lock.graph_calls.append(token)
-    finally:
-        if me in slot:
-            del slot[:]
-            lock._mutex.release()
+    _briefly(lock, me, lambda: lock.graph_calls.append(token))
 
 
 def mark_untracked(locks: Iterable[SectionLock]) -> None:
@@ -147,13 +140,29 @@ def mark_untracked(locks: Iterable[SectionLock]) -> None:
                 with tfi.ops.init_scope():  # (called while tracing: run it eagerly)
                     lock._token = _mutex_lock(lock, None)
             continue
-        try:
-            _take(lock, me, None)
-            lock.untracked = True
-        finally:
-            if me in slot:
-                del slot[:]
-                lock._mutex.release()
+        _briefly(lock, me, _untracking(lock))
+
+
+def _untracking(lock: SectionLock) -> Callable[[], None]:
+    def untrack() -> None:
+        lock.untracked = True
+
+    return untrack
+
+
+def _briefly(lock: SectionLock, me: threading.Thread, change: Callable[[], None]) -> None:
+    """Takes ``lock`` (not held by ``me``), runs ``change`` and releases it, without
+    opening a section: a section over the lock either ended before ``change`` or begins
+    after it. Given back on any exception, an interrupt included: ``_take`` records the
+    holder in the same C call that acquires, inside the ``try``."""
+    slot = lock._slot
+    try:
+        _take(lock, me, None)
+        change()
+    finally:
+        if me in slot:
+            del slot[:]
+            lock._mutex.release()
 
 
 def _yield_to_readers(

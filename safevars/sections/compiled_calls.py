@@ -50,8 +50,8 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
     def call_flat(self: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
         taken = graph_locks(self)
         if tfi.executing_eagerly():
-            check_not_held(self)  # its graph would wait on a lock this thread holds
             if taken:
+                check_not_held(self, taken)  # its graph would wait on a lock this thread holds
                 return _counted_call(taken, self, tensor_inputs, captured_inputs, original)
         else:
             current_graph_records(taken)  # the caller's graph takes them too

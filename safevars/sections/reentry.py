@@ -57,14 +57,14 @@ def graph_locks(function: Any) -> frozenset[SectionLock]:
     return frozenset(getattr(graph, _GRAPH_LOCKS, None) or ())
 
 
-def check_not_held(function: Any) -> None:
+def check_not_held(function: Any, locks: frozenset[SectionLock]) -> None:
     """Raises LockReentryError if the calling thread holds a lock eagerly that
-    ``function``'s graph takes (the call would wait on it forever). Nothing runs."""
+    ``function``'s graph takes (``locks``: its :func:`graph_locks`), so that the call
+    would wait on it forever. Nothing runs."""
+    if not locks:
+        return
     held = locking._held()
     if not held:
-        return
-    locks = graph_locks(function)
-    if not locks:
         return
     me = locking._current_thread()
     mine = [lock for lock in held if lock in locks and locking._holding(lock, me)]

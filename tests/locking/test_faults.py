@@ -576,6 +576,26 @@ def test_an_exception_at_every_check_point_of_a_two_variable_section():
         _assert_free_and_paired(v)
 
 
+@_IGNORED_IN_DEL
+def test_an_exception_at_every_check_point_of_a_traced_write_leaves_no_call_counted():
+    """An eager call of a function whose graph takes a lock is counted on the lock while
+    it runs (``lock.graph_calls``; eager sections take the mutex meanwhile): an
+    exception anywhere in the call leaves the lock free and no call counted (a token
+    left behind would make every later eager section take the mutex for nothing)."""
+    v = SafeVariable(0.0)
+    write = kept_with(v, tf.function(lambda: v.assign_add(1.0), autograph=False))
+    write()
+    lock = v.guard.lock
+    counted: list[int] = []
+
+    def check(k: int) -> None:
+        assert lock.graph_calls == [], f"an exception at check point {k} left a call counted"
+        counted.append(k)
+
+    assert _every_check_point(write, [v], check) > 5
+    assert len(counted) > 5 and v.version > 1
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
 def test_asynchronous_exceptions_into_optimizer_steps_keep_joint_versions_together(traced):
     """Steps of a SafeOptimizer whose model variables share a joint version counter
