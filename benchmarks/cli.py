@@ -49,7 +49,7 @@ QUICK, FULL = TimingSettings.quick(), TimingSettings.full()
 EPILOG = """\
 examples:
   python -m benchmarks                      # full suite: about 7.5 minutes on a 2-core CPU
-  python -m benchmarks --quick              # the whole suite in about a minute on a 2-core CPU
+  python -m benchmarks --quick              # the whole suite in under 45 s on a 2-core CPU
   python -m benchmarks --resume bench-results   # finish a run stopped by Ctrl-C or a kill
   python -m benchmarks --cases eager,contention --out /tmp/bench
   python -m benchmarks --device gpu         # fail unless TensorFlow sees a GPU
@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         default=None,
-        help="small sizes and few rounds: the whole suite in about a minute on a 2-core CPU",
+        help="small sizes and few rounds: the whole suite in under 45 s on a 2-core CPU",
     )
     p.add_argument(
         "--device",

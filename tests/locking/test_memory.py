@@ -26,9 +26,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from tests.support import forked
 from tests.support.deadlines import scaled
 
 _CHILD = textwrap.dedent(
@@ -89,39 +91,41 @@ COUNT = 2_500
 BOUND_KB = 5.0  # per variable, beyond plain TensorFlow doing the same
 
 
-def _start(kind: str) -> subprocess.Popen[str]:
+def _start(kind: str, tmp_path: Path) -> subprocess.Popen[str] | forked.Process:
+    """The child for ``kind``, forked from the server that imported TensorFlow
+    (:mod:`tests.support.forked`: what it imported before is in the warm-up's baseline),
+    or a new ``python`` with ``SAFEVARS_TEST_FORK=0``; its output in ``tmp_path``."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.Popen(
-        [sys.executable, "-c", _CHILD, kind, str(COUNT)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    out, err = tmp_path / f"{kind}.out", tmp_path / f"{kind}.err"
+    command = ["-c", _CHILD, kind, str(COUNT)]
+    if forked.enabled():
+        return forked.start(command, str(out), str(err), env=env)
+    with open(out, "w") as o, open(err, "w") as e:
+        return subprocess.Popen([sys.executable, *command], stdout=o, stderr=e, env=env)
 
 
-def _result(child: subprocess.Popen[str]) -> dict[str, float]:
-    try:
-        out, err = child.communicate(timeout=scaled(1500))
-    except subprocess.TimeoutExpired:
+def _result(child: subprocess.Popen[str] | forked.Process, kind: str, tmp_path: Path):
+    if child.wait(scaled(1500)) is None:
         child.kill()
-        child.communicate()
-        raise
-    assert child.returncode == 0, err[-4000:]
+        child.wait()
+        raise AssertionError(f"the {kind} child did not end in {scaled(1500):.0f} s")
+    out = (tmp_path / f"{kind}.out").read_text()
+    assert child.returncode == 0, (tmp_path / f"{kind}.err").read_text()[-4000:]
     return json.loads(out.strip().splitlines()[-1])
 
 
 # About 30 s on a quiet 2-core machine.
 @pytest.mark.timeout(scaled(1800))
-def test_creating_using_and_dropping_thousands_of_variables_returns_memory():
-    children = [_start("plain"), _start("safevars")]  # (each measures itself)
+def test_creating_using_and_dropping_thousands_of_variables_returns_memory(tmp_path):
+    kinds = ("plain", "safevars")
+    children = [_start(kind, tmp_path) for kind in kinds]  # (each measures itself)
     try:
-        plain, safe = [_result(child) for child in children]
+        plain, safe = [_result(child, kind, tmp_path) for child, kind in zip(children, kinds)]
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
-                child.communicate()
+                child.wait()
     print("plain", plain, "safevars", safe)  # (the figures, with -s)
     assert safe["per_variable_kb"] - plain["per_variable_kb"] < BOUND_KB, (plain, safe)
     # A kept mutex also keeps the thread that hands it over.
