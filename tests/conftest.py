@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from collections.abc import MutableMapping
@@ -57,7 +58,6 @@ def intra_op_threads(environ: MutableMapping[str, str]) -> int:
 INTRA_OP_THREADS = intra_op_threads(os.environ)
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from tests.support.deadlines import scaled  # noqa: E402
 from tests.support.signals import default_sigint  # noqa: E402
@@ -66,22 +66,31 @@ default_sigint()  # (a run started in the background may have SIGINT ignored)
 
 NUM_LOGICAL_CPUS = 2
 
-_cpus = tf.config.list_physical_devices("CPU")
-try:
-    tf.config.set_logical_device_configuration(
-        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-    )
-except RuntimeError:  # Devices already initialized by an earlier import.
-    pass
-try:  # (the environment variable reaches the processes the tests start)
-    tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
-except RuntimeError:  # The context already exists (an earlier import ran an op).
-    pass
+
+def _set_up_tensorflow() -> None:
+    """Two logical CPUs and the intra-op threads, before TensorFlow initializes its
+    devices: in each process that runs tests (not in pytest-xdist's controller, which
+    only hands them out: importing TensorFlow there delayed the workers' start by 2 s)."""
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
+        )
+    except RuntimeError:  # Devices already initialized by an earlier import.
+        pass
+    try:  # (the environment variable reaches the processes the tests start)
+        tf.config.threading.set_intra_op_parallelism_threads(INTRA_OP_THREADS)
+    except RuntimeError:  # The context already exists (an earlier import ran an op).
+        pass
 
 
 @pytest.fixture(params=["eager", "tf_function"])
 def mode(request):
     """Returns a wrapper: identity eagerly, ``tf.function`` otherwise."""
+
+    import tensorflow as tf
 
     def run(fn):
         if request.param == "eager":
@@ -103,6 +112,8 @@ def mirrored_strategy(monkeypatch):
     and TensorFlow caches a collective's shape per key; a fresh base per test (the knob
     TensorFlow's own tests use) keeps one test's collectives from clashing with another's.
     """
+    import tensorflow as tf
+
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     assert len(devices) >= 2, "conftest must configure two logical CPUs first"
     monkeypatch.setattr(
@@ -134,8 +145,11 @@ def _on_ci() -> bool:
 
 @pytest.hookimpl(trylast=True)  # after pytest-timeout's own, whose limit it scales
 def pytest_configure(config: pytest.Config) -> None:
-    """Fails the run on CI, and warns elsewhere, when pytest-timeout is not active;
-    scales its per-test limit otherwise."""
+    """Sets TensorFlow up unless this is pytest-xdist's controller; fails the run on CI,
+    and warns elsewhere, when pytest-timeout is not active; scales its per-test limit
+    otherwise."""
+    if not config.pluginmanager.hasplugin("dsession"):  # (xdist's, in its controller)
+        _set_up_tensorflow()
     if not _timeout_plugin_missing(config):
         _scale_the_per_test_timeout(config)
         return
@@ -173,6 +187,14 @@ def _scale_the_per_test_timeout(config: pytest.Config) -> None:
     base = getattr(config, "_env_timeout", None)
     if base:
         config._env_timeout = scaled(base)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freezes what start-up and collection made (TensorFlow, Keras, the test modules:
+    about 340,000 objects that live to the end of the run) out of the garbage
+    collector's way (``gc.freeze``), so that a full collection, which tests trigger
+    with ``gc.collect()`` and Python's thresholds, walks only what tests made since."""
+    gc.freeze()
 
 
 # ---------------------------------------------------------------------- pytest-xdist
