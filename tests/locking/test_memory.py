@@ -104,7 +104,11 @@ def _start(kind: str, tmp_path: Path) -> subprocess.Popen[str] | forked.Process:
         return subprocess.Popen([sys.executable, *command], stdout=o, stderr=e, env=env)
 
 
-def _result(child: subprocess.Popen[str] | forked.Process, kind: str, tmp_path: Path):
+def _result(
+    child: subprocess.Popen[str] | forked.Process, kind: str, tmp_path: Path
+) -> dict[str, float]:
+    # (A forked child's wait returns None at the deadline; a Popen's raises TimeoutExpired,
+    # and the test's finally kills both children.)
     if child.wait(scaled(1500)) is None:
         child.kill()
         child.wait()
