@@ -28,7 +28,7 @@ import safevars
 from safevars import SafeVariable
 from tests.support.deadlines import scaled
 from tests.support.graphs import kept_with
-from tests.support.threading_harness import in_frame, run_threads
+from tests.support.threading_harness import in_frame, run_threads, wait_for
 
 
 class Injected(BaseException):
@@ -47,17 +47,6 @@ def _inject(thread: threading.Thread) -> bool:
         ctypes.c_ulong(thread.ident), ctypes.py_object(Injected)
     )
     return done == 1
-
-
-def _wait_until(predicate, what: str, errors=(), limit: float = 30.0) -> None:
-    """Waits for ``predicate()``; a worker's own exception in ``errors`` ends the wait
-    at once and is raised as the cause (a worker that died never becomes ready)."""
-    deadline = time.monotonic() + scaled(limit)
-    while not predicate():
-        if errors:
-            raise AssertionError(f"a worker failed while waiting for {what}") from errors[0]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.0002)
 
 
 def _run_with_injections(
@@ -113,14 +102,15 @@ def _run_with_injections(
     try:
         while sum(caught) < injections:
             k = rng.randrange(workers)
-            _wait_until(lambda k=k: ready[k], f"worker {k} to be ready", errors)
+            wait_for(lambda k=k: ready[k], f"worker {k} to be ready", 30, errors)
             before, lost_before = caught[k], len(lost)
             time.sleep(rng.random() * 0.003)
             if not _inject(threads[k]):
-                _wait_until(lambda: False, f"worker {k}, which ended, to catch", errors, limit=1)
-            _wait_until(
+                wait_for(lambda: False, f"worker {k}, which ended, to catch", 1, errors)
+            wait_for(
                 lambda k=k, b=before, n=lost_before: (caught[k] > b and ready[k]) or len(lost) > n,
                 f"worker {k} to catch",
+                30,
                 errors,
             )
     finally:
@@ -815,7 +805,7 @@ def test_an_interrupt_while_waiting_for_the_hand_over_or_for_the_lock_leaves_not
     # A snapshot waiting for a lock this thread holds, interrupted.
     with hold([v.guard]):
         reader = run(lambda: safevars.snapshot([v]))
-        _wait_until(lambda: lock.readers == [reader], "the snapshot to wait")
+        wait_for(lambda: lock.readers == [reader], "the snapshot to wait", 30)
         assert _inject(reader)
         reader.join(scaled(30))  # (it wakes from its wait within acquisition._POLL)
         assert not reader.is_alive() and not errors, errors
@@ -827,7 +817,7 @@ def test_an_interrupt_while_waiting_for_the_hand_over_or_for_the_lock_leaves_not
     original, acquisition._HANDOFF = acquisition._HANDOFF, scaled(60)
     try:
         writer = run(lambda: v.assign_add(1.0))
-        _wait_until(lambda: in_frame(writer, "_yield_to_readers"), "the writer's hand-over")
+        wait_for(lambda: in_frame(writer, "_yield_to_readers"), "the writer's hand-over", 30)
         assert lock.holder() is None and v.version == 0
         assert _inject(writer)
         writer.join(scaled(30))

@@ -131,10 +131,19 @@ def in_frame(thread: threading.Thread, function: str) -> bool:
     return False
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def wait_for(
+    condition: Callable[[], bool],
+    what: str,
+    timeout: float = 60.0,
+    errors: Sequence[BaseException] = (),
+) -> None:
     """Waits until ``condition()`` holds, failing after ``timeout`` seconds at scale 1
-    (a deadlock detector) with ``what`` in the message."""
+    (a deadlock detector) with ``what`` in the message. ``errors``: a list the workers
+    append their own exceptions to; one there ends the wait at once and is raised as the
+    cause (a worker that died never makes the condition hold)."""
     deadline = time.monotonic() + scaled(timeout)
     while not condition():
+        if errors:
+            raise AssertionError(f"a worker failed while waiting for {what}") from errors[0]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
+        time.sleep(0.0002)
