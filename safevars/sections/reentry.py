@@ -33,28 +33,26 @@ from safevars.locking import SectionLock
 __all__ = ["check_not_held", "current_graph_records", "graph_locks", "record_graph_locks"]
 
 _GRAPH_LOCKS = "_safevars_mutex_locks"  # FuncGraph attribute: locks whose MutexLock it runs
+_NONE: frozenset[SectionLock] = frozenset()
 
 
 def record_graph_locks(graph: Any, locks: Iterable[SectionLock]) -> None:
     """Notes that running ``graph`` takes ``locks``' mutexes (on it and every function
     graph around it; not on the eager context's global graph, where nothing reads them
     and the record would keep every lock, and its mutex, alive for good)."""
-    locks = list(locks)
-    if not locks:
+    new = frozenset(locks)
+    if not new:
         return
     while isinstance(graph, tfi.FuncGraph):
-        recorded = getattr(graph, _GRAPH_LOCKS, None)
-        if recorded is None:
-            recorded = set()
-            setattr(graph, _GRAPH_LOCKS, recorded)
-        recorded.update(locks)
+        recorded = getattr(graph, _GRAPH_LOCKS, _NONE)
+        if not new <= recorded:  # (a new set: one read per eager call, none built)
+            setattr(graph, _GRAPH_LOCKS, recorded | new)
         graph = getattr(graph, "outer_graph", None)
 
 
 def graph_locks(function: Any) -> frozenset[SectionLock]:
     """The locks whose mutexes a traced function (a ``ConcreteFunction``) takes."""
-    graph = getattr(function, "_func_graph", None)
-    return frozenset(getattr(graph, _GRAPH_LOCKS, None) or ())
+    return getattr(getattr(function, "_func_graph", None), _GRAPH_LOCKS, _NONE)
 
 
 def check_not_held(function: Any, locks: frozenset[SectionLock]) -> None:
