@@ -55,8 +55,9 @@ def _call_flat_under_locks(original: Callable[..., Any]) -> Callable[..., Any]:
                 return _counted_call(taken, self, tensor_inputs, captured_inputs, original)
         else:
             current_graph_records(taken)  # the caller's graph takes them too
-            if taken and tfi.graph_runs_outside_python_calls():
-                mark_untracked(taken)
+            tracked = [lock for lock in taken if not lock.untracked]
+            if tracked and tfi.graph_runs_outside_python_calls():  # (walks the stack)
+                mark_untracked(tracked)
         return _call(self, tensor_inputs, captured_inputs, original)
 
     call_flat.__wrapped__ = original  # type: ignore[attr-defined]

@@ -464,6 +464,28 @@ def test_a_lock_a_tf_data_function_takes_is_taken_with_its_mutex_by_eager_sectio
     assert float(v.numpy()) == 14.0 and v.version == 5
 
 
+def test_a_traced_function_called_in_a_tf_data_transformation_makes_sections_take_the_mutex(
+    monkeypatch,
+):
+    """A function traced and called before, then called from a tf.data transformation:
+    tf.data's threads run it, outside any counted call (the call wrapper marks its locks,
+    as the function is not traced again)."""
+    v = safevars.SafeVariable(0.0)
+    add = tf.function(lambda: v.assign_add(1.0), autograph=False)
+    add()
+    lock = v.guard.lock
+    assert not lock.untracked
+    traces = add.experimental_get_tracing_count()
+    dataset = tf.data.Dataset.range(4).map(lambda i: (add(), i)[1])
+    assert add.experimental_get_tracing_count() == traces  # the same graph, called
+    assert lock.untracked
+    takes = _mutex_takes(monkeypatch)
+    v.assign_add(10.0)
+    assert takes[0] == 1
+    assert list(dataset.as_numpy_iterator()) == [0, 1, 2, 3]
+    assert float(v.numpy()) == 15.0 and v.version == 6
+
+
 def test_a_call_on_an_asynchronous_executor_makes_eager_sections_take_the_mutex(monkeypatch):
     """An asynchronous call returns before its graph has run: from then on every eager
     section over its locks takes the mutex."""
