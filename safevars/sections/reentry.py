@@ -45,7 +45,7 @@ def record_graph_locks(graph: Any, locks: Iterable[SectionLock]) -> None:
         return
     while isinstance(graph, tfi.FuncGraph):
         recorded = getattr(graph, _GRAPH_LOCKS, _NONE)
-        if not new <= recorded:  # (a new set: one read per eager call, none built)
+        if not new <= recorded:  # replaced, never changed: graph_locks hands this set out
             setattr(graph, _GRAPH_LOCKS, recorded | new)
         graph = getattr(graph, "outer_graph", None)
 
