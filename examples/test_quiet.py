@@ -1,12 +1,16 @@
 """examples/_quiet.py: TensorFlow's start-up log is hidden by default, shown with --verbose.
 
-The examples' own smoke tests check that each example's stderr holds no start-up line;
-this file checks the classifier, that nothing else is hidden (a warning printed during the
+The examples' smoke tests check that an example's stderr holds no start-up line (the race
+demo's in a new ``python``; the others run forked from a process that imported TensorFlow
+already, see ``_smoke.py``); this file checks that every example quiets TensorFlow before
+it imports it, the classifier, that nothing else is hidden (a warning printed during the
 import, an import error's traceback), and the benchmark CLI in both modes.
 """
 
 from __future__ import annotations
 
+import ast
+import glob
 import os
 import subprocess
 import sys
@@ -50,6 +54,47 @@ NOT_STARTUP = [
     "safevars benchmarks (quick) on CPU AMD EPYC (/CPU:0): rng",
     "",
 ]
+
+
+# Packages whose import imports TensorFlow (and so prints its start-up log).
+IMPORT_TENSORFLOW = {"tensorflow", "keras", "safevars"}
+EXAMPLES = sorted(
+    os.path.basename(path)
+    for path in glob.glob(os.path.join(HERE, "*.py"))
+    if not os.path.basename(path).startswith(("_", "test_"))
+)
+
+
+def _imported(node: ast.stmt) -> set[str]:
+    """The top-level packages an import statement imports."""
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return {node.module.split(".")[0]}
+    return set()
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_every_example_quiets_tensorflow_before_it_imports_it(script):
+    """What the forked smoke tests cannot see: the example calls
+    ``quiet_tensorflow_startup()`` at its top level before any import of TensorFlow."""
+    with open(os.path.join(HERE, script)) as f:
+        body = ast.parse(f.read()).body
+    quieted = False
+    for node in body:
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "quiet_tensorflow_startup"
+        ):
+            quieted = True
+        early = _imported(node) & IMPORT_TENSORFLOW
+        assert quieted or not early, f"{script} imports {early} before it quiets TensorFlow"
+    assert quieted, f"{script} never calls quiet_tensorflow_startup()"
+
+
+def test_the_examples_are_found():
+    assert len(EXAMPLES) >= 8 and "race_demo.py" in EXAMPLES, EXAMPLES
 
 
 @pytest.mark.parametrize("line", STARTUP)

@@ -382,3 +382,27 @@ def test_a_forked_child_reports_code_errors_and_can_be_killed(tmp_path):
     assert child.poll() is None
     child.kill()
     assert child.wait(scaled(60)) == -9
+
+
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked", "python"])
+def test_run_gives_what_subprocess_run_gives(tmp_path, monkeypatch, fork):
+    """``forked.run``: a module run with ``-m`` as ``__main__`` from the directory given,
+    its exit status and both outputs; a child past its timeout is killed and raises
+    ``subprocess.TimeoutExpired`` with what it wrote, as ``subprocess.run`` does."""
+    monkeypatch.setenv("SAFEVARS_TEST_FORK", fork)
+    (tmp_path / "mod.py").write_text(
+        "import os, sys\n"
+        "print(__name__, sys.argv[1:], os.getcwd())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(4)\n"
+    )
+    done = forked.run(["-m", "mod", "x"], timeout=scaled(60), cwd=str(tmp_path))
+    assert (done.returncode, done.stdout, done.stderr) == (
+        4,
+        f"__main__ ['x'] {tmp_path}\n",
+        "to stderr\n",
+    )
+    hang = "import time; print('started', flush=True); time.sleep(600)"
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        forked.run(["-c", hang], timeout=scaled(5))
+    assert "started" in str(caught.value.stdout)

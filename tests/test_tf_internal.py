@@ -11,7 +11,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
 import sys
 import warnings
 
@@ -24,6 +23,7 @@ except ImportError:  # Python 3.10
 
 import safevars
 from safevars import _tf_internal
+from tests.support import forked
 from tests.support.deadlines import scaled
 
 PACKAGE = pathlib.Path(safevars.__file__).parent  # installed or the source tree
@@ -230,10 +230,8 @@ def test_an_interrupt_at_every_check_point_of_an_eager_tensor_creation_is_surviv
     EagerTensor by TensorFlow's C++ constructor) propagates, and the process lives on.
     Without the C getter of the context's ``_handle`` the interrupt lands inside the
     constructor and TensorFlow crashes (SIGSEGV) at that point."""
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERRUPT_EVERY_POINT_OF_A_SCALAR_CONVERSION],
-        capture_output=True,
-        text=True,
+    done = forked.run(
+        ["-c", _INTERRUPT_EVERY_POINT_OF_A_SCALAR_CONVERSION],
         timeout=scaled(300),
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from benchmarks import (
     runner,
     schema,
 )
+from tests.support import forked
 from tests.support.benchmark_fakes import png_size
 from tests.support.deadlines import scaled
 
@@ -52,12 +52,10 @@ REPO = Path(__file__).resolve().parents[2]
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("bench") / "results"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *TINY, "--out", str(out)],
-        cwd=REPO,
+    completed = forked.run(
+        ["-m", "benchmarks", *TINY, "--out", str(out)],
+        cwd=str(REPO),
         env=env,
-        capture_output=True,
-        text=True,
         timeout=SUITE_TIMEOUT,
     )
     return completed, out

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,6 +12,7 @@ import tensorflow as tf
 
 from safevars.errors import InvalidArgumentError, SafeVarsError
 from safevars.rng import ReplicaRNG, ReplicaStream
+from tests.support import forked
 from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
@@ -207,13 +206,7 @@ class TestReproducibility:
             print("\\n".join(out))
         """)
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        proc = subprocess.run(
-            [sys.executable, "-c", script, REPO],
-            capture_output=True,
-            text=True,
-            timeout=scaled(SUBPROCESS_TIMEOUT),
-            env=env,
-        )
+        proc = forked.run(["-c", script, REPO], timeout=scaled(SUBPROCESS_TIMEOUT), env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rng = ReplicaRNG(99, num_replicas=2, worker=("worker", 0))
         expected = []

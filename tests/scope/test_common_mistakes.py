@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 
 import keras
@@ -29,6 +27,7 @@ import tensorflow as tf
 
 import safevars
 from safevars.creator_scope import scope
+from tests.support import forked
 from tests.support.deadlines import scaled
 from tests.support.threading_harness import run_threads
 
@@ -107,10 +106,8 @@ def test_a_safe_variable_argument_works_after_one_was_created_while_tracing():
     for all. After a SafeVariable created inside a tf.function (not a ResourceVariable
     underneath), every SafeVariable argument failed ("Tensor.op is undefined"). A fresh
     process, since the cache lives as long as the process."""
-    result = subprocess.run(
-        [sys.executable, "-c", _ARGUMENT_AFTER_TRACED_CREATION],
-        capture_output=True,
-        text=True,
+    result = forked.run(
+        ["-c", _ARGUMENT_AFTER_TRACED_CREATION],
         timeout=scaled(300),
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )

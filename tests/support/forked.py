@@ -8,15 +8,18 @@ Python processes used 283 of its 781 CPU-seconds. :func:`start` forks the child
 from a ``multiprocessing`` forkserver that imported :data:`PRELOAD` and did nothing
 else: no device set up, no eager context, no thread pool, no server, so the child may
 still configure logical devices, set ``TF_CONFIG`` and start servers as a fresh process
-would. It runs the script (or ``-c`` code) as ``__main__``, with the given arguments,
-environment and working directory, its output in the given files (file descriptors 1
-and 2 too, for TensorFlow's C++ log).
+would. It runs the script (``-c`` code, ``-m`` module) as ``__main__``, with the given
+arguments, environment and working directory, its output in the given files (file
+descriptors 1 and 2 too, for TensorFlow's C++ log). :func:`run` forks one and waits for
+it, as ``subprocess.run`` does.
 
 What differs from ``python script.py``: the modules of :data:`PRELOAD` are imported
-before the script runs (so a missing import of them would not fail), and environment
-variables TensorFlow reads when it is imported (``TF_CPP_MIN_LOG_LEVEL``) are those of
-the test process. ``SAFEVARS_TEST_FORK=0`` starts every child as a new ``python``
-process instead, exactly as a user runs it (slower).
+before the script runs (so a missing import of them would not fail, and whatever a
+script does before it imports TensorFlow, such as the examples' quieting of its start-up
+log, finds it imported), and environment variables TensorFlow reads when it is imported
+(``TF_CPP_MIN_LOG_LEVEL``) are those of the test process. ``SAFEVARS_TEST_FORK=0``
+starts every child as a new ``python`` process instead, exactly as a user runs it
+(slower).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import faulthandler
 import multiprocessing
 import os
 import runpy
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Mapping, Sequence
 
@@ -71,8 +76,9 @@ def start(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
 ) -> Process:
-    """Forks a child that runs ``python *argv`` (a script path and its arguments, or
-    ``-c CODE``), writing its output to the files ``stdout`` and ``stderr``."""
+    """Forks a child that runs ``python *argv`` (a script path and its arguments,
+    ``-c CODE`` or ``-m MODULE``), writing its output to the files ``stdout`` and
+    ``stderr``."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     environment = dict(os.environ if env is None else env)
@@ -81,6 +87,51 @@ def start(
     )
     process.start()
     return Process(process)
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``,
+    forked (:func:`start`) unless :func:`enabled` says no (then exactly that).
+
+    Raises:
+      subprocess.TimeoutExpired: the child still ran after ``timeout`` seconds (it is
+        killed first), as ``subprocess.run`` does.
+    """
+    if not enabled():
+        return subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+        )
+    with tempfile.TemporaryDirectory(prefix="forked-") as directory:
+        out, err = os.path.join(directory, "out"), os.path.join(directory, "err")
+        child = start(argv, out, err, env=env, cwd=cwd)
+        ended = child.wait(timeout) is not None
+        if not ended:
+            child.kill()
+            child.wait()
+        stdout, stderr = (_read(path) for path in (out, err))
+    if not ended:
+        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
+    return subprocess.CompletedProcess([sys.executable, *argv], child.returncode, stdout, stderr)
+
+
+def _read(path: str) -> str:
+    """What the child wrote to ``path`` ("" if it never opened it)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _child(
@@ -103,6 +154,10 @@ def _child(
             sys.argv = ["-c", *argv[2:]]
             sys.path.insert(0, "")
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # (runpy sets argv[0] to the module's file)
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(argv[0])
             sys.argv = [script, *argv[1:]]
