@@ -24,6 +24,7 @@ import textwrap
 import time
 
 from tests.distributed.cluster_harness import last_json_line
+from tests.support import forked
 from tests.support.deadlines import scaled
 
 TRIALS = 150  # per case; four cases in one process
@@ -224,13 +225,7 @@ def test_tensorflow_fast_path_runs_no_python_code_in_a_write_of_a_common_value_t
     fast path (where a KeyboardInterrupt would be dropped), eagerly and in run-time mode,
     in a fresh process (TensorFlow caches its type checks per process)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-    child = subprocess.run(
-        [sys.executable, "-c", _FAST_PATH_CHILD],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=scaled(300),
-    )
+    child = forked.run(["-c", _FAST_PATH_CHILD], env=env, timeout=scaled(300))
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     result = last_json_line(child.stdout)
     assert result["chains"] == 24, f"not every write ran write_counted's chain: {result}"
