@@ -404,5 +404,5 @@ def test_run_gives_what_subprocess_run_gives(tmp_path, monkeypatch, fork):
     )
     hang = "import time; print('started', flush=True); time.sleep(600)"
     with pytest.raises(subprocess.TimeoutExpired) as caught:
-        forked.run(["-c", hang], timeout=scaled(5))
+        forked.run(["-c", hang], timeout=scaled(2))
     assert "started" in str(caught.value.stdout)
