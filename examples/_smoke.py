@@ -6,8 +6,8 @@ once (``tests/support/forked.py``), which saves each run about 3.5 CPU-seconds o
 imports; there TensorFlow is imported before the example quiets its start-up, so only a
 run with ``fresh=True`` (a new ``python``, as a user starts it: the race demo's and the
 exactly-once example's smoke tests, and every run with ``SAFEVARS_TEST_FORK=0``) checks
-that the start-up log stays hidden. ``examples/test_quiet.py`` checks that every example quiets TensorFlow before it
-imports it.
+that the start-up log stays hidden. ``examples/test_quiet.py`` checks that every example
+quiets TensorFlow before it imports it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def start(
     one (see the module's docstring).
     """
     command = [os.path.join(HERE, script), *map(str, args)]
-    if fresh or not forked.enabled():
+    if fresh:
         return subprocess.run(
             [sys.executable, *command],
             capture_output=True,
@@ -56,7 +56,7 @@ def start(
             timeout=scaled(timeout),
             env=ENV,
         )
-    return forked.run(command, timeout=scaled(timeout), env=ENV)
+    return forked.run(command, timeout=scaled(timeout), env=ENV)  # (or a new python)
 
 
 def run_example(script: str, *args: object, timeout: float = 300, fresh: bool = False) -> str:

@@ -1,10 +1,11 @@
 """examples/_quiet.py: TensorFlow's start-up log is hidden by default, shown with --verbose.
 
 The examples' smoke tests check that an example's stderr holds no start-up line (the race
-demo's in a new ``python``; the others run forked from a process that imported TensorFlow
-already, see ``_smoke.py``); this file checks that every example quiets TensorFlow before
-it imports it, the classifier, that nothing else is hidden (a warning printed during the
-import, an import error's traceback), and the benchmark CLI in both modes.
+demo's and the exactly-once example's, run as a new ``python``; the others run forked from
+a process that imported TensorFlow already, see ``_smoke.py``); this file checks that
+every example quiets TensorFlow before it imports it, the classifier, that nothing else is
+hidden (a warning printed during the import, an import error's traceback), and the
+benchmark CLI in both modes.
 """
 
 from __future__ import annotations
