@@ -72,14 +72,20 @@ def _check_coordinator(lock: SectionLock) -> None:
 
 
 def enter(
-    lock: SectionLock, me: threading.Thread, timeout: float | None, reader: bool = False
+    lock: SectionLock,
+    me: threading.Thread,
+    timeout: float | None,
+    reader: bool = False,
+    where: str | None = None,
 ) -> None:
     """Takes ``lock`` for ``me`` (which does not hold it) and opens the section.
 
     On return the lock is held with depth 1 and an odd sequence number; on an
     exception (timeout, interrupt) it is not held. The caller checked the order.
     ``reader``: the section only reads (a snapshot); while it waits, threads entering
-    the lock leave it to the snapshot first (:func:`_yield_to_readers`).
+    the lock leave it to the snapshot first (:func:`_yield_to_readers`). ``where``: what
+    took the lock, for ``statistics().where`` and ``held_locks()``; by default the
+    ``file:line`` of the caller outside safevars (a walk up the stack).
     """
     _check_coordinator(lock)
     slot = lock._slot
@@ -90,7 +96,7 @@ def enter(
         lock._depth = 1
         lock.seq += 1
         lock._since = time.monotonic()
-        lock._where = _caller_location()
+        lock._where = _caller_location() if where is None else where
         if lock.runtime and not lock.graph_users:  # every graph using it is gone
             LEAVE_RUNTIME[0](lock)
         if lock.mutexed and (lock.graph_calls or lock.untracked):

@@ -31,7 +31,7 @@ class _Hold:
     in a finalizer would be swallowed ("Exception ignored in ...").
     """
 
-    __slots__ = ("_n", "_locks", "_timeout", "_guards", "_reader")
+    __slots__ = ("_n", "_locks", "_timeout", "_guards", "_reader", "_where")
 
     def __init__(
         self, guards: Iterable[HasLock], timeout: float | None = None, reader: bool = False
@@ -41,6 +41,7 @@ class _Hold:
         self._locks = sorted_locks(self._guards)
         self._timeout = timeout
         self._reader = reader  # Only reads (a snapshot): let in first while it waits.
+        self._where: str | None = None  # What took the locks (None: the caller's line).
 
     def __enter__(self) -> None:
         me = _current_thread()
@@ -66,7 +67,7 @@ class _Hold:
                     self._n = index + 1
                     continue
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                enter(lock, me, remaining, self._reader)
+                enter(lock, me, remaining, self._reader, self._where)
                 self._n = index + 1
                 held.append(lock)
         except BaseException:
@@ -130,9 +131,14 @@ class hold(_Hold):  # noqa: N801 - used like a function: ``with hold(guards):``
             self._release()
 
 
-def hold_locks(locks: Sequence[SectionLock]) -> hold:
-    """A :class:`hold` over locks directly (for code that has no guard at hand)."""
+def hold_locks(locks: Sequence[SectionLock], where: str | None = None) -> hold:
+    """A :class:`hold` over locks directly (for code that has no guard at hand).
+
+    ``where``: what takes them, as the locks' statistics and :func:`held_locks` report
+    it; by default the ``file:line`` that called safevars.
+    """
     context = hold([])
     context._guards = None
     context._locks = sorted(set(locks), key=lambda lock: lock.order)
+    context._where = where
     return context

@@ -31,7 +31,9 @@ class LockStatistics(NamedTuple):
       writes: Completed writes recorded eagerly since construction or restore.
       thread_name: Name of the holding thread, or ``None``.
       held_for: Seconds since the holder took the lock, or ``None``.
-      where: ``file:line`` where the holder took the lock, or ``None``.
+      where: ``file:line`` where the holder took the lock (for a lock held around an
+        eager call of an XLA-compiled ``tf.function``: that function's name), or
+        ``None``.
       shared_by: How many variables share this lock (1 unless :func:`share_lock`).
       takeovers: How often a waiter took this lock back from a thread that had ended
         while holding it.
@@ -73,7 +75,9 @@ class HeldLock(NamedTuple):
       thread_alive: Whether that thread is still running (a lock whose holder ended is
         taken back by the next thread that waits for it).
       held_for: Seconds since it was taken.
-      where: ``file:line`` (outside safevars) where it was taken.
+      where: ``file:line`` (outside safevars) where it was taken; for a lock held
+        around an eager call of an XLA-compiled ``tf.function``,
+        ``"tf.function 'name' (XLA-compiled), called eagerly"``.
       depth: Re-entrant depth.
       runtime_mode: Whether the holder also holds the lock's ``tf.CriticalSection`` mutex.
     """

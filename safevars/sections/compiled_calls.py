@@ -104,7 +104,7 @@ def _call(
         return original(self, tensor_inputs, captured_inputs)
     preparations = _preparations_of(self)
     if tf.executing_eagerly():
-        with hold_locks(locks):
+        with hold_locks(locks, _where(self)):
             _prepare(preparations)
             return original(self, tensor_inputs, captured_inputs)
     graph = tfi.default_graph()
@@ -122,6 +122,23 @@ def _call(
             return original(self, tensor_inputs, captured_inputs)
 
     return lock_section(locks, prepared_call, tensor_inputs, compiled_call=True)
+
+
+_WHERE = "_safevars_where"
+
+
+def _where(function: Any) -> str:
+    """What holds the locks of an eager call of compiled ``function``, as
+    ``held_locks()`` reports it: the function's name (the line that called safevars is
+    inside TensorFlow's ``tf.function`` machinery, and finding the caller's line takes a
+    walk up the stack that costs about 20 µs between two calls of a small compiled step:
+    see docs/history.md, 2026-12-01). Kept on the function's graph."""
+    graph = function._func_graph
+    where = getattr(graph, _WHERE, None)
+    if where is None:
+        where = f"tf.function {graph.name!r} (XLA-compiled), called eagerly"
+        setattr(graph, _WHERE, where)
+    return where
 
 
 def install() -> None:

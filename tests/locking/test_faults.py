@@ -759,8 +759,8 @@ def test_an_interrupt_after_a_lock_is_taken_and_before_it_is_counted_frees_it(mo
     real_enter = holding.enter
     calls = []
 
-    def enter_then_interrupted(lock, me, timeout, reader=False):
-        real_enter(lock, me, timeout, reader)
+    def enter_then_interrupted(lock, me, timeout, reader=False, where=None):
+        real_enter(lock, me, timeout, reader, where)
         calls.append(lock)
         if len(calls) == 2:  # the second lock: taken, not yet counted
             raise KeyboardInterrupt

@@ -10,6 +10,7 @@ values and versions.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,3 +165,36 @@ def test_a_compiled_call_waits_for_an_eager_section(caller):
 
         run_threads(2, role)
     assert float(v.numpy()) == 7.0 and v.version == 7
+
+
+def test_a_lock_held_around_a_compiled_call_names_the_function():
+    """``held_locks()`` and ``statistics().where`` name the compiled function an eager
+    call holds the lock for (the line that called safevars is TensorFlow's own)."""
+    v = SafeVariable(0.0)
+
+    @tf.function(jit_compile=True)
+    def compiled_step():
+        v.assign_add(1.0)
+        return v.read_value()
+
+    compiled_step()
+    seen: list[str] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set() and not seen:
+            seen.extend(h.where for h in safevars.held_locks() if v.name in h.variables)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    deadline = time.monotonic() + scaled(60)
+    try:
+        while not seen and time.monotonic() < deadline:
+            compiled_step()
+    finally:
+        done.set()
+        watcher.join(scaled(60))
+    assert not watcher.is_alive()
+    assert seen, "no call was seen holding the lock"
+    assert seen[0] == "tf.function 'compiled_step' (XLA-compiled), called eagerly", seen
+    assert v.statistics().where is None  # (released after the call)
