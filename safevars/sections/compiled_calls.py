@@ -131,7 +131,7 @@ def _where(function: Any) -> str:
     """What holds the locks of an eager call of compiled ``function``, as
     ``held_locks()`` reports it: the function's name (the line that called safevars is
     inside TensorFlow's ``tf.function`` machinery, and finding the caller's line takes a
-    walk up the stack that costs about 20 µs between two calls of a small compiled step:
+    walk up the stack that cost about 10 µs between two calls of a small compiled step:
     see docs/history.md, 2026-12-01). Kept on the function's graph."""
     graph = function._func_graph
     where = getattr(graph, _WHERE, None)
