@@ -48,15 +48,7 @@ def start(
     one (see the module's docstring).
     """
     command = [os.path.join(HERE, script), *map(str, args)]
-    if fresh:
-        return subprocess.run(
-            [sys.executable, *command],
-            capture_output=True,
-            text=True,
-            timeout=scaled(timeout),
-            env=ENV,
-        )
-    return forked.run(command, timeout=scaled(timeout), env=ENV)  # (or a new python)
+    return forked.run(command, timeout=scaled(timeout), env=ENV, fork=False if fresh else None)
 
 
 def run_example(script: str, *args: object, timeout: float = 300, fresh: bool = False) -> str:

@@ -16,7 +16,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -144,18 +143,10 @@ def run(block: Block, timeout: float = TIMEOUT_S, fork: bool | None = None) -> O
     with tempfile.TemporaryDirectory(prefix="safevars-doc-") as directory:
         script = Path(directory) / "snippet.py"
         script.write_text(block.code, encoding="utf-8")
-        if fork if fork is not None else forked.enabled():
-            return _run_forked(script, timeout)
         start = time.perf_counter()
         try:
-            done = subprocess.run(
-                [sys.executable, script.name],
-                cwd=directory,
-                env=environment(),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                stdin=subprocess.DEVNULL,
+            done = forked.run(
+                [script.name], timeout=timeout, env=environment(), cwd=directory, fork=fork
             )
         except subprocess.TimeoutExpired as e:
             return Outcome(
@@ -165,24 +156,6 @@ def run(block: Block, timeout: float = TIMEOUT_S, fork: bool | None = None) -> O
                 _text(e.stderr) + f"\n(killed after {timeout:.0f} s)",
             )
         return Outcome(done.returncode, time.perf_counter() - start, done.stdout, done.stderr)
-
-
-def _run_forked(script: Path, timeout: float) -> Outcome:
-    out, err = script.with_suffix(".out"), script.with_suffix(".err")
-    start = time.perf_counter()
-    process = forked.start(
-        [script.name], str(out), str(err), env=environment(), cwd=str(script.parent)
-    )
-    killed = process.wait(timeout) is None
-    if killed:
-        process.kill()
-        process.wait()
-    seconds = time.perf_counter() - start
-    stdout = out.read_text(errors="replace") if out.exists() else ""
-    stderr = err.read_text(errors="replace") if err.exists() else ""
-    if killed:
-        return Outcome(None, seconds, stdout, stderr + f"\n(killed after {timeout:.0f} s)")
-    return Outcome(process.returncode, seconds, stdout, stderr)
 
 
 def _text(output: str | bytes | None) -> str:

@@ -95,15 +95,17 @@ def run(
     timeout: float,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    fork: bool | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``,
-    forked (:func:`start`) unless :func:`enabled` says no (then exactly that).
+    forked (:func:`start`) if ``fork``, by default unless :func:`enabled` says no. Not
+    forked, it is exactly that call, with standard input empty as a forked child's is.
 
     Raises:
       subprocess.TimeoutExpired: the child still ran after ``timeout`` seconds (it is
         killed first), as ``subprocess.run`` does.
     """
-    if not enabled():
+    if not (enabled() if fork is None else fork):
         return subprocess.run(
             [sys.executable, *argv],
             capture_output=True,
@@ -111,6 +113,7 @@ def run(
             timeout=timeout,
             env=None if env is None else dict(env),
             cwd=cwd,
+            stdin=subprocess.DEVNULL,
         )
     with tempfile.TemporaryDirectory(prefix="forked-") as directory:
         out, err = os.path.join(directory, "out"), os.path.join(directory, "err")
