@@ -18,7 +18,9 @@
   module-scoped fixture (a subprocess cluster, the quick benchmark run, the
   documentation blocks) runs once. Set here rather than in ``addopts``, so that
   ``-p no:xdist`` (and a run without the plugin) still works; ``-n 0`` runs in one
-  process, ``-n N`` in N.
+  process, ``-n N`` in N. A test whose worker dies of a fatal signal (TensorFlow's own
+  SIGSEGV) runs once more and the crash is printed at the end
+  (``tests/support/worker_crashes.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ INTRA_OP_THREADS = intra_op_threads(os.environ)
 
 import pytest  # noqa: E402
 
+from tests.support import worker_crashes  # noqa: E402
 from tests.support.deadlines import scaled  # noqa: E402
 from tests.support.signals import default_sigint  # noqa: E402
 
@@ -147,7 +150,9 @@ def _on_ci() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """Sets TensorFlow up unless this is pytest-xdist's controller; fails the run on CI,
     and warns elsewhere, when pytest-timeout is not active; scales its per-test limit
-    otherwise."""
+    otherwise; loads :mod:`tests.support.worker_crashes` (a test whose worker dies of a
+    fatal signal runs once more)."""
+    config.pluginmanager.register(worker_crashes, "safevars-worker-crashes")
     if not config.pluginmanager.hasplugin("dsession"):  # (xdist's, in its controller)
         _set_up_tensorflow()
     if not _timeout_plugin_missing(config):

@@ -184,6 +184,117 @@ def test_a_run_without_pytest_timeout_fails_on_ci_and_warns_elsewhere():
     assert re.search(rf"^!+ {MISSING} !+$", rest, re.MULTILINE), local_out  # summary
 
 
+# ---------------------------------------------------------------------- worker crashes
+
+_CRASHING_TESTS = """
+import ctypes, os, pathlib
+CRASHED = pathlib.Path(__file__).with_name("crashed")
+
+def test_before():
+    pass
+
+def test_crashing():
+    how = os.environ["HOW"]
+    if how == "segfault_once" and CRASHED.exists():
+        return
+    CRASHED.write_text("x")
+    if how == "exit":
+        os._exit(3)
+    ctypes.string_at(0)  # SIGSEGV
+
+def test_after():
+    pass
+"""
+
+_REGISTER_THE_PLUGIN = """
+import pytest
+from tests.support import worker_crashes
+
+@pytest.hookimpl(trylast=True)  # as tests/conftest.py does it
+def pytest_configure(config):
+    config.pluginmanager.register(worker_crashes, "safevars-worker-crashes")
+"""
+
+
+def _crashing_run(directory: pathlib.Path, how: str, *options: str) -> subprocess.Popen:
+    """Starts pytest with two workers on ``_CRASHING_TESTS`` (no TensorFlow: it takes
+    about a second), ``how`` the crashing test crashes."""
+    directory.mkdir()
+    (directory / "test_crashing.py").write_text(_CRASHING_TESTS)
+    (directory / "conftest.py").write_text(_REGISTER_THE_PLUGIN)
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env.update(HOW=how, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", *options]
+    return subprocess.Popen(
+        command,
+        cwd=directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_test_whose_worker_dies_of_a_signal_runs_once_more_and_the_crash_is_shown(tmp_path):
+    """``tests/support/worker_crashes.py``: a first SIGSEGV is a rerun (its next run
+    counts), shown with the crashed worker's stacks; a second one fails, as do a worker
+    that died without a signal, a crash the scheduler does not give to another worker,
+    and a rerun that never came (no worker left to run it)."""
+    runs = {
+        "once": _crashing_run(tmp_path / "once", "segfault_once", "--dist", "loadfile"),
+        "always": _crashing_run(
+            tmp_path / "always", "segfault", "--dist", "loadfile", "--max-worker-restart", "1"
+        ),
+        "exit": _crashing_run(
+            tmp_path / "exit", "exit", "--dist", "loadfile", "--max-worker-restart", "0"
+        ),
+        "load": _crashing_run(tmp_path / "load", "segfault_once", "--dist", "load"),
+        "no_restart": _crashing_run(
+            tmp_path / "no_restart",
+            "segfault_once",
+            "--dist",
+            "loadfile",
+            "--max-worker-restart",
+            "0",
+        ),
+    }
+    out = {}
+    try:
+        for name, run in runs.items():
+            out[name], _ = run.communicate(timeout=threading_harness.JOIN_TIMEOUT)
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    closing = {name: text.strip().splitlines()[-1] for name, text in out.items()}
+
+    once = out["once"]
+    assert runs["once"].returncode == pytest.ExitCode.OK, once
+    assert re.fullmatch(r"3 passed, 1 rerun in .*", closing["once"]), once
+    assert "worker crashed in test_crashing.py::test_crashing (ran again)" in once, once
+    report = once.partition("(ran again)")[2]
+    assert "Fatal Python error: Segmentation fault" in report, once
+    assert re.search(r'File ".*test_crashing\.py", line \d+ in test_crashing', report), once
+
+    assert runs["always"].returncode == pytest.ExitCode.TESTS_FAILED, out["always"]
+    # (pytest-xdist gives the file to a third worker, past --max-worker-restart: it stops)
+    assert re.match(r"1 failed, .*1 rerun in ", closing["always"]), out["always"]
+    assert "test_crashing (failed)" in out["always"], out["always"]
+
+    assert runs["exit"].returncode == pytest.ExitCode.TESTS_FAILED, out["exit"]
+    assert "rerun" not in closing["exit"] and "failed" in closing["exit"], out["exit"]
+    assert "(no fatal-error report: no signal)" in out["exit"], out["exit"]
+
+    assert runs["load"].returncode == pytest.ExitCode.TESTS_FAILED, out["load"]
+    assert "rerun" not in closing["load"] and "failed" in closing["load"], out["load"]
+
+    no_restart = out["no_restart"]  # a rerun that never came: a failure
+    assert runs["no_restart"].returncode == pytest.ExitCode.TESTS_FAILED, no_restart
+    assert re.match(r"1 failed, .*1 rerun in ", closing["no_restart"]), no_restart
+    assert "test_crashing (did not run again: failed)" in no_restart, no_restart
+
+
 # ---------------------------------------------------------------------- thread joins
 
 
